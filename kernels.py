@@ -1,20 +1,86 @@
 """
-kernels.py: the two kernels a paged-KV-cache engine needs, each as a plain-torch
-reference and (next step) a Triton kernel, plus the dispatcher nanobatch.py calls.
+kernels.py: the two kernels a paged-KV-cache engine needs, each as a Triton
+kernel and a plain-torch reference with the same signature, plus the dispatcher
+nanobatch.py calls.
 
     store_kv(k, v, k_cache, v_cache, slot_mapping)
         write the K/V rows of this step's new tokens into the paged cache
-    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None)
         causal attention of the new tokens over everything cached for their sequence
+        (prefill, prefill over a cached prefix and decode, mixed freely in one batch)
+
+    store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)
+    store_kv_ref / paged_attention_ref         plain torch, any device: the CPU path and a second opinion
+    store_kv / paged_attention                 dispatch: Triton for CUDA tensors, the reference otherwise
 
 Cache layout (one per layer, for K and for V):
     (num_blocks, block_size, num_kv_heads, head_dim)
     token at position p of a sequence lives at
     block_tables[seq, p // block_size], row p % block_size
     and its flat "slot" is block_id * block_size + p % block_size.
+
+Batch metadata (all tokens of a step are packed into one flat batch, no padding):
+    query_start_loc (num_seqs + 1,) int32   sequence i owns q rows query_start_loc[i] : query_start_loc[i+1]
+    seq_lens        (num_seqs,) int32       cached + new tokens of each sequence
+    block_tables    (num_seqs, max_blocks)  int32, padded; entries past a sequence's last block are never read
+    causal rule: query t of a sequence with Q new tokens and seq_len L sits at
+    position L - Q + t and sees the keys at positions <= L - Q + t.
+
+Supported by the Triton kernels (anything else raises a ValueError that names it):
+any GQA ratio (num_heads % num_kv_heads == 0), head_dim up to 256 (powers of two
+are the fast case; others are padded and masked), any cache block size (it is
+independent of the key tile), q and caches in float32, float16 or bfloat16 with
+an fp32 online softmax, int64 cache offsets. Both attention implementations take
+an optional out= to write into (the tests pass one poisoned with NaN).
+
+Running the Triton kernels without a GPU: set TRITON_INTERPRET=1 in the
+environment *before this module is imported* (triton.jit picks compiled or
+interpreted at decoration time), then either call the *_triton functions
+directly or set `kernels.USE_TRITON_ON_CPU = True` (or NANOBATCH_TRITON_ON_CPU=1)
+so that the dispatchers send CPU tensors to Triton as well (how the engine is
+tested end to end on Triton):
+    TRITON_INTERPRET=1 NANOBATCH_TRITON_ON_CPU=1 python nanobatch.py ...
+Without triton installed this module still imports; the engine runs on the
+references and the *_triton functions raise a RuntimeError that says so.
+
+Sections: imports and switches / shape checks / references / Triton store_kv /
+Triton paged_attention / dispatch.
+Tests: TRITON_INTERPRET=1 python -m pytest -q test_kernels_part.py
 """
 
+import os
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR = None
+except ImportError as e:  # CPU-only installs: the references still work
+
+    class _NoTriton:  # just enough for the @triton.jit definitions below to parse
+        constexpr = None
+
+        @staticmethod
+        def jit(fn):
+            return fn
+
+    triton = tl = _NoTriton()
+    _TRITON_IMPORT_ERROR = e
+
+# ---- Switches ----
+
+# Send CPU tensors to the Triton kernels in the dispatchers too (they need
+# TRITON_INTERPRET=1 set before import). CUDA tensors always go to Triton.
+# Set it here, or start with NANOBATCH_TRITON_ON_CPU=1 in the environment.
+USE_TRITON_ON_CPU = os.environ.get("NANOBATCH_TRITON_ON_CPU", "0") == "1"
+# Whether the kernels below were decorated as interpreted (CPU) functions.
+TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256  # the fp32 accumulator (BLOCK_M, head_dim) must fit in registers
+
 
 # ---- Shape checks shared by every implementation ----
 
@@ -23,24 +89,52 @@ def _check_store_kv(k, v, k_cache, v_cache, slot_mapping):
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"store_kv: k and v must both be (num_tokens, num_kv_heads, head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"store_kv: caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)}")
+        raise ValueError(f"store_kv: caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
         raise ValueError(f"store_kv: slot_mapping must be int64 of shape ({k.shape[0]},), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES or v.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"store_kv: k, v and the caches must be float32, float16 or bfloat16 (both caches alike), got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_same_device("store_kv", k, v, k_cache, v_cache, slot_mapping)
 
 
-def _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
+def _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"paged_attention: q must be (num_tokens, num_heads, head_dim) and both caches (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
+    if k_cache.shape[3] != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"paged_attention: {num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} kv heads of dim {k_cache.shape[3]}")
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"paged_attention: q and both caches must share one dtype out of float32, float16, bfloat16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     num_seqs = seq_lens.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
+    if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"paged_attention: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and query_start_loc {tuple(query_start_loc.shape)} disagree on num_seqs")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.dtype != torch.int32:
             raise ValueError(f"paged_attention: {name} must be int32, got {t.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"paged_attention: out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    _check_same_device("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+
+
+def _check_same_device(name, *tensors):
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_triton(name, *tensors):
+    """What the Triton kernels need beyond the shared checks."""
+    if _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"{name}: triton is not installed ({_TRITON_IMPORT_ERROR}); use the *_ref functions or install triton")
+    for t in tensors:
+        if t.is_cuda:
+            continue
+        if not TRITON_INTERPRET:
+            raise RuntimeError(f"{name}: CPU tensors need TRITON_INTERPRET=1 in the environment before kernels.py is imported")
+    for t in tensors:
+        if t.dim() == 4 and t.stride(-1) != 1:  # caches are never copied: they are written in place
+            raise ValueError(f"{name}: cache last dim (head_dim) must be contiguous, got strides {t.stride()}")
 
 
 # ---- Plain-torch references ----
@@ -75,14 +169,14 @@ def _attend(q, k, v, key_valid, mask, scale):
     return probs @ v  # (S, Hkv, G*Q, D)
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
     """Decode rows (query_len 1) are batched into one dense attention; prefill
-    sequences go one at a time (their query lengths differ)."""
-    _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    sequences go one at a time (their query lengths differ). Writes `out` if given."""
+    _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     lens = seq_lens.tolist()
     starts = query_start_loc[:-1].tolist()
@@ -106,7 +200,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # (1, L, Hkv, D)
         v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
         # pack the group's query heads next to each other: (Q, H, D) -> (1, Hkv, G*Q, D), row = head * Q + token
-        qs = q[start : start + q_len].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qs = q[start : start + q_len].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qs = qs.reshape(1, num_kv_heads, group * q_len, head_dim)
         # causal rule: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
         q_pos = torch.arange(q_len, device=q.device).repeat(group) + (seq_len - q_len)  # (G*Q,)
@@ -118,12 +212,254 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+# ---- Triton: store_kv ----
+# Grid (num_tokens, num_kv_heads): one program copies one head_dim row of K and
+# one of V into the slot its token was given. Nothing to tile, so no tuning.
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # (num_tokens, num_kv_heads, head_dim) K rows of this step's new tokens
+    v_ptr,  # (num_tokens, num_kv_heads, head_dim) V rows, same shape (strides may differ)
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim) written in place
+    v_cache_ptr,  # same shape and strides as k_cache
+    slot_mapping_ptr,  # (num_tokens,) int64: slot = block_id * block_size + offset, -1 = skip
+    stride_k_tok, stride_k_head,  # k strides (head_dim is contiguous)
+    stride_v_tok, stride_v_head,  # v strides
+    stride_c_block, stride_c_row, stride_c_head,  # cache strides, shared by k_cache and v_cache
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (constexpr: a power of two becomes a shift)
+    HEAD_DIM: tl.constexpr,  # true head_dim
+    HEAD_DIM_PADDED: tl.constexpr,  # next power of two (tl.arange needs one); extra lanes masked
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)  # int64 scalar, so every cache offset below is int64
+    if slot < 0:
+        return  # a padding token: nothing to write
+    dims = tl.arange(0, HEAD_DIM_PADDED)  # (HEAD_DIM_PADDED,)
+    mask = dims < HEAD_DIM  # (HEAD_DIM_PADDED,) lanes past head_dim are padding
+    dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_row + head * stride_c_head + dims
+    token = token.to(tl.int64)
+    k = tl.load(k_ptr + token * stride_k_tok + head * stride_k_head + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_tok + head * stride_v_head + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
+    """Slots must be < num_blocks * block_size (not checked: that would sync the GPU)."""
+    _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    _check_triton("store_kv_triton", k, k_cache, v_cache)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"store_kv_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        num_warps=1,  # one row of at most 256 elements: a single warp covers it
+    )
+
+
+# ---- Triton: paged_attention ----
+# Grid (num_q_blocks, num_kv_heads). A program owns one kv head and BLOCK_Q
+# consecutive query tokens of one sequence. GQA packing: the NUM_QUERIES_PER_KV
+# query heads that read this kv head all go into the rows of one tile,
+#     row = token_in_block * NUM_QUERIES_PER_KV + head_in_group,
+# so K and V are loaded once for the whole group, and BLOCK_M = BLOCK_Q *
+# NUM_QUERIES_PER_KV rows (rounded up to a power of two >= 16, spare rows masked)
+# feed tl.dot. The program walks the sequence's keys in tiles of TILE_N
+# positions, gathering each key's cache row through the block table (so the
+# cache block size and TILE_N are independent), and keeps an online softmax:
+# running max m, running sum l, accumulator acc, all fp32, in base 2 (exp2).
+#
+# Query blocks -> sequences: sequence s owns the query blocks
+#     first[s] .. first[s+1] - 1,   first[s] = query_start_loc[s] // BLOCK_Q + s.
+# That range holds at least ceil(q_len / BLOCK_Q) blocks (the floor of the end
+# grows by at least floor(q_len / BLOCK_Q), and the "+ s" adds one), and the
+# total, first[num_seqs] = num_tokens // BLOCK_Q + num_seqs, comes from shapes
+# alone: no GPU -> CPU sync, no Python loop over sequences. The block -> sequence
+# map is one torch.searchsorted; a program past its sequence's last query
+# exits at once (at most about one idle program per sequence).
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim) output, dtype of q
+    q_ptr,  # (num_tokens, num_heads, head_dim) queries of this step's tokens
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache_ptr,  # same shape and strides as k_cache
+    block_tables_ptr,  # (num_seqs, max_blocks_per_seq) int32 block ids; entries past seq_len are never read
+    seq_lens_ptr,  # (num_seqs,) int32: cached + new tokens
+    query_start_loc_ptr,  # (num_seqs + 1,) int32: sequence s owns q rows [start[s], start[s+1])
+    q_block_seq_ptr,  # (num_q_blocks,) int32: the sequence of each query block (see header)
+    qk_scale,  # softmax scale * log2(e): scores live in base 2 so that exp2 does the softmax
+    stride_q_tok, stride_q_head,  # q strides (head_dim is contiguous)
+    stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
+    stride_c_block, stride_c_row, stride_c_head,  # cache strides, shared by k_cache and v_cache
+    stride_bt_seq,  # block_tables row stride
+    NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size: num_heads // num_kv_heads
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block, any value >= 1 (a power of two becomes a shift)
+    HEAD_DIM: tl.constexpr,  # true head_dim
+    HEAD_DIM_PADDED: tl.constexpr,  # power of two >= 16 (tl.arange, tl.dot); extra lanes masked to 0
+    BLOCK_M: tl.constexpr,  # packed (token, head) rows per tile: power of two >= 16
+    BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV
+    TILE_N: tl.constexpr,  # keys per step of the key loop: power of two >= 16
+    DOT_IN_FP32: tl.constexpr,  # run both dots on fp32 operands: fp32 caches (IEEE, not TF32), or bf16 under the interpreter
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(q_block_seq_ptr + q_block)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block_in_seq = q_block - (q_start // BLOCK_Q + seq)  # see "Query blocks -> sequences"
+    if q_block_in_seq * BLOCK_Q >= q_len:
+        return  # a spare program: the grid is an upper bound
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens cached before this step
+
+    # rows of the tile: (token, head) pairs, packed row = token * NUM_QUERIES_PER_KV + head
+    rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    q_idx = q_block_in_seq * BLOCK_Q + rows // NUM_QUERIES_PER_KV  # (BLOCK_M,) query index within the sequence
+    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV  # (BLOCK_M,) query head
+    row_valid = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_idx < q_len)  # (BLOCK_M,) padding rows are never stored
+    q_pos = context_len + q_idx  # (BLOCK_M,) position in the sequence: the causal limit of the row
+    dims = tl.arange(0, HEAD_DIM_PADDED)  # (HEAD_DIM_PADDED,)
+    dim_valid = dims < HEAD_DIM  # (HEAD_DIM_PADDED,)
+
+    token = (q_start + q_idx).to(tl.int64)  # (BLOCK_M,) row of q / out
+    q_offs = token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
+    row_mask = row_valid[:, None] & dim_valid[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
+    q = tl.load(q_ptr + q_offs, mask=row_mask, other=0.0)  # (BLOCK_M, HEAD_DIM_PADDED)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) running max of base-2 scores
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,) running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)  # (BLOCK_M, HEAD_DIM_PADDED) running P @ V
+
+    # keys past the last query of this tile are invisible to every row: stop there
+    num_keys = tl.minimum(seq_len, context_len + (q_block_in_seq + 1) * BLOCK_Q)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for key_start in range(0, num_keys, TILE_N):
+        key_pos = key_start + tl.arange(0, TILE_N)  # (TILE_N,) positions in the sequence
+        key_valid = key_pos < num_keys  # (TILE_N,) never touch block-table entries or slots past seq_len
+        block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # (TILE_N,)
+        key_offs = block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_row + kv_head * stride_c_head  # (TILE_N,) int64
+        kv_mask = key_valid[:, None] & dim_valid[None, :]  # (TILE_N, HEAD_DIM_PADDED)
+        # other=0: NaN or garbage in unused slots must not reach P @ V (0 * NaN is NaN)
+        k = tl.load(k_cache_ptr + key_offs[None, :] + dims[:, None], mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # (HEAD_DIM_PADDED, TILE_N)
+        v = tl.load(v_cache_ptr + key_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (TILE_N, HEAD_DIM_PADDED)
+
+        if DOT_IN_FP32:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # (BLOCK_M, TILE_N)
+        else:
+            s = tl.dot(q, k)  # (BLOCK_M, TILE_N) fp16/bf16 operands, fp32 accumulation
+        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])  # (BLOCK_M, TILE_N) causal rule
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # (BLOCK_M,)
+        # a row that has seen no visible key yet has m_new = -inf; subtract 0 instead so that
+        # exp2(-inf - (-inf)) = NaN never happens: p and alpha come out 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (BLOCK_M,)
+        p = tl.math.exp2(s - m_safe[:, None])  # (BLOCK_M, TILE_N)
+        alpha = tl.math.exp2(m - m_safe)  # (BLOCK_M,) rescales what was summed under the old max
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_IN_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # a row with no visible key gives 0, not NaN
+    o_offs = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
+    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _launch_config(num_tokens, num_seqs, group, head_dim_padded):
+    """Tile sizes, chosen from shapes alone (no GPU sync). Two cases:
+    - decode-only batch (every sequence has one new token, so num_tokens == num_seqs):
+      BLOCK_M = 16, the smallest tl.dot tile; a program holds 1 token x group heads
+      (up to 16), the rest is padding. Decode is memory bound, so small tiles and
+      more programs in flight win.
+    - anything with a prefill: BLOCK_M = 64 packed rows, so each K/V tile loaded is
+      reused by 64 // group query tokens.
+    TILE_N = 64 keys per step (32 for head_dim > 128, to bound registers and shared
+    memory); num_warps = 4 for both (a 64x64 fp32 score tile is 32 registers per
+    thread at 128 threads). Groups larger than a tile get BLOCK_M = their size."""
+    block_m = 16 if num_tokens == num_seqs else 64
+    block_m = max(block_m, triton.next_power_of_2(group))
+    tile_n = 64 if head_dim_padded <= 128 else 32
+    return block_m, block_m // group, tile_n
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+    """Same contract as paged_attention_ref. Writes `out` if given (every row of a
+    token that belongs to a sequence). Expects query_start_loc[-1] == num_tokens and
+    valid block ids for positions < seq_len (not checked: that would sync the GPU)."""
+    _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    _check_triton("paged_attention_triton", q, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"paged_attention_triton: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"paged_attention_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+    if out is None:
+        out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
+    elif out.stride(-1) != 1:
+        raise ValueError(f"paged_attention_triton: out's last dim must be contiguous, got strides {out.stride()}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_q, tile_n = _launch_config(num_tokens, num_seqs, group, head_dim_padded)
+
+    # query block -> sequence (see the header above the kernel)
+    first = query_start_loc // block_q + torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # (num_seqs + 1,)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    q_blocks = torch.arange(num_q_blocks, dtype=torch.int32, device=q.device)  # (num_q_blocks,)
+    q_block_seq = (torch.searchsorted(first, q_blocks, right=True) - 1).to(torch.int32)  # (num_q_blocks,)
+
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_block_seq,
+        scale * 1.4426950408889634,  # log2(e)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_QUERIES_PER_KV=group, BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+        # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
+        DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
+        num_warps=4,
+    )
+    return out
+
+
 # ---- Dispatch: what nanobatch.py calls ----
 
 
+def _use_triton(t):
+    """CUDA tensors go to Triton (when installed); CPU tensors only when USE_TRITON_ON_CPU is set."""
+    if t.is_cuda:
+        return _TRITON_IMPORT_ERROR is None
+    return USE_TRITON_ON_CPU
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    if _use_triton(k_cache):
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+    if _use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
