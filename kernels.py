@@ -45,12 +45,13 @@ references and the *_triton functions raise a RuntimeError that says so.
 
 Sections: imports and switches / shape checks / references / Triton store_kv /
 Triton paged_attention / dispatch.
-Tests: TRITON_INTERPRET=1 python -m pytest -q test_kernels_part.py
+Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -150,7 +151,7 @@ def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
 
 
 def _gather_kv(cache, block_table_rows, max_len):
-    """Gather the cache rows of some sequences into a dense (num_seqs, max_len, kv_heads, head_dim)."""
+    """Gather the cache rows of some sequences into a dense (num_seqs, max_len, kv_heads, head_dim) copy."""
     num_blocks, block_size = cache.shape[:2]
     blocks_needed = (max_len + block_size - 1) // block_size
     ids = block_table_rows[:, :blocks_needed].long().clamp(0, num_blocks - 1)  # unused entries may hold anything
@@ -158,15 +159,12 @@ def _gather_kv(cache, block_table_rows, max_len):
     return dense.flatten(1, 2)[:, :max_len]  # (num_seqs, max_len, kv_heads, head_dim)
 
 
-def _attend(q, k, v, key_valid, mask, scale):
-    """q (S, Hkv, G*Q, D) packed by kv head; k, v (S, L, Hkv, D); key_valid (S, L) marks the
-    gathered rows that belong to the sequence; mask (S, 1, G*Q or 1, L) is the causal rule."""
-    k = k.transpose(1, 2).float()  # (S, Hkv, L, D)
-    v = v.masked_fill(~key_valid[:, :, None, None], 0.0).transpose(1, 2).float()  # NaN in unused slots: NaN * 0 is NaN
-    scores = (q.float() @ k.transpose(-1, -2)) * scale  # (S, Hkv, G*Q, L)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key gives 0, not NaN
-    return probs @ v  # (S, Hkv, G*Q, D)
+def _attend(q, k, v, mask, scale):
+    """q (S, Hkv, M, D): each kv head's query heads packed into M rows; k, v (S, L, Hkv, D);
+    mask (S, 1, M or 1, L), True = visible. Every real query row sees at least its own key."""
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, Hkv, L, D)
+    o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
+    return o  # (S, Hkv, M, D), fp32
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
@@ -188,25 +186,28 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         max_len = max(lens[i] for i in decode)
         k = _gather_kv(k_cache, block_tables[idx], max_len)  # (S, L, Hkv, D)
         v = _gather_kv(v_cache, block_tables[idx], max_len)
-        qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)  # (S, Hkv, G, D)
         valid = torch.arange(max_len, device=q.device) < seq_lens[idx, None].long()  # (S, L)
-        o = _attend(qd, k, v, valid, valid[:, None, None, :], scale)  # (S, Hkv, G, D)
+        # the gathered copy holds other sequences' rows past each seq_len: zero them, since a
+        # masked score still multiplies its V row (NaN * 0 is NaN) and NaN + -inf is NaN
+        k.masked_fill_(~valid[:, :, None, None], 0.0)
+        v.masked_fill_(~valid[:, :, None, None], 0.0)
+        qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)  # (S, Hkv, G, D)
+        o = _attend(qd, k, v, valid[:, None, None, :], scale)  # (S, Hkv, G, D)
         out[rows] = o.reshape(len(decode), num_heads, head_dim).to(q.dtype)
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         seq_len, start = lens[i], starts[i]
-        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # (1, L, Hkv, D)
+        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # (1, L, Hkv, D): exactly the sequence's keys
         v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
-        # pack the group's query heads next to each other: (Q, H, D) -> (1, Hkv, G*Q, D), row = head * Q + token
+        # pack the group's query heads: (Q, H, D) -> (1, Hkv, G*Q, D), row = head_in_group * Q + token
         qs = q[start : start + q_len].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qs = qs.reshape(1, num_kv_heads, group * q_len, head_dim)
         # causal rule: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
         q_pos = torch.arange(q_len, device=q.device).repeat(group) + (seq_len - q_len)  # (G*Q,)
-        valid = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (G*Q, L)
-        all_keys = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
-        o = _attend(qs, k, v, all_keys, valid[None, None], scale)  # (1, Hkv, G*Q, D)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (G*Q, L)
+        o = _attend(qs, k, v, visible[None, None], scale)  # (1, Hkv, G*Q, D)
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # (Q, Hkv, G, D)
         out[start : start + q_len] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out

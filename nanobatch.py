@@ -1185,25 +1185,6 @@ def _progress_bar(total, enabled):
     return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
 
 
-# ---- Server ----" banner. When
-# pasting: drop the `from nanobatch import ...` line and move the standard-library
-# imports up to the module's import block (dataclass, json, os and sys are there already).
-
-import http.server
-import itertools
-import json
-import os
-import queue
-import select
-import socket
-import sys
-import threading
-import time
-import uuid
-from dataclasses import dataclass
-
-from nanobatch import LLM, SamplingParams, default_model_path
-
 # ---- Server ----
 #
 # An HTTP front end on the step loop, standard library only.
@@ -1305,15 +1286,13 @@ class EngineLoop:
     # -- the engine thread --
 
     def _run(self):
-        need_step = False  # an aborted request's final output comes out of the next step, even with nothing else to run
         while True:
-            idle = not (need_step or self.llm.has_unfinished_requests())
+            idle = not self.llm.has_unfinished_requests()
             for message in self._drain(block=idle):  # idle: sleep on the inbox, no busy loop
                 if message[0] == "stop":
                     return self._close()
-                need_step |= self._handle(message)
-            if need_step or self.llm.has_unfinished_requests():
-                need_step = False
+                self._handle(message)
+            if self.llm.has_unfinished_requests():
                 self._step()
 
     def _drain(self, block):
@@ -1325,23 +1304,20 @@ class EngineLoop:
                 return messages
 
     def _handle(self, message):
-        """Apply one inbox message; True if the engine must step to report an abort."""
         kind = message[0]
         if kind == "add":
             self._add(message[1])
         elif kind == "abort" and message[1] in self.outboxes:
             _, request_id, by_client = message
             del self.outboxes[request_id]  # nobody reads its final "abort" output
-            self.llm.abort_request(request_id)
+            self.llm.abort_request(request_id)  # its final output comes out of the next step
             self.num_client_aborts += by_client
-            return True
         elif kind == "call":
             _, fn, reply = message
             try:
                 reply.put((True, fn(self.llm)))
             except Exception as e:
                 reply.put((False, e))
-        return False
 
     def _add(self, sub: Submission):
         try:
