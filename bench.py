@@ -1,0 +1,784 @@
+"""
+bench.py: how fast nanobatch is, side by side with its peers, on exactly the same requests.
+
+Every system gets the same prompts (token ids) and must produce exactly the same
+number of output tokens for each request (greedy, EOS ignored), so output
+tokens per second compare like with like:
+
+    nanobatch                   continuous batching over the paged KV cache: one llm.generate over all requests
+    nanobatch-static            static batching through the same engine and model: consecutive batches of
+                                max_num_seqs requests, each running until its longest request ends
+    nanobatch-no-prefix-cache   nanobatch with enable_prefix_caching=False (the shared-prefix workload)
+    hf-generate                 HF transformers generate on left-padded static batches of max_num_seqs
+    hf-generate-batch           HF transformers' own continuous batching (the manager behind generate_batch)
+
+Workloads (--workload):
+    random          N requests, prompt and output lengths uniform in the given ranges, random token ids
+                    (seed 0), as in nano-vllm's bench
+    shared-prefix   N requests behind one long common system prompt (--prefix-len tokens), each with a short
+                    distinct question (the prompt-length range) and a short output: what prefix caching is for
+
+Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
+loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
+(TTFT, mean and p99) and time per output token (TPOT). Each system has one small warm-up run first. For
+nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
+the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
+actual one. On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
+(weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
+
+On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
+on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default), in fp32.
+
+Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Report | CLI
+
+Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
+      python bench.py --workload shared-prefix             (prefix caching on / off)
+      python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
+"""
+
+import argparse
+import atexit
+import copy
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import nanobatch
+from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams
+
+# ---- Defaults ----
+
+SYSTEMS = ["nanobatch", "nanobatch-static", "nanobatch-no-prefix-cache", "hf-generate", "hf-generate-batch"]
+DEFAULT_SYSTEMS = {
+    "random": ["nanobatch", "nanobatch-static", "hf-generate", "hf-generate-batch"],
+    "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
+}
+# Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
+# shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
+WORKLOAD_DEFAULTS = {
+    ("cpu", "random"): dict(num_requests=64, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96, max_num_seqs=16),
+    ("cpu", "shared-prefix"): dict(num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16),
+    ("cuda", "random"): dict(num_requests=256, min_prompt_len=100, max_prompt_len=1024, min_output_len=100, max_output_len=1024, max_num_seqs=64),
+    ("cuda", "shared-prefix"): dict(num_requests=256, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=64),
+}
+DEFAULT_PREFIX_LEN = 500  # tokens of the shared system prompt
+RANDOM_QWEN3 = "random-qwen3-0.6b"  # --model value: random weights with Qwen3-0.6B's shape (the GPU default)
+# Qwen3-0.6B's real shape (its config.json); the vocabulary is larger than the tokenizer saved next to it, which
+# is harmless: prompts are random ids, and ids past the tokenizer decode to "" in nanobatch's detokenizer
+QWEN3_0_6B_SHAPE = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+WARMUP = dict(num_requests=4, min_prompt_len=16, max_prompt_len=32, min_output_len=4, max_output_len=8)
+MEMORY_SAMPLE_SECONDS = 0.005  # how often the CPU memory sampler reads the process RSS
+
+
+# ---- Machine ----
+
+
+def machine_info():
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+# ---- Workloads ----
+
+
+@dataclass
+class Workload:
+    name: str  # "random", "shared-prefix" or "warm-up"
+    prompts: list[list[int]]  # token ids of each request's prompt
+    output_lens: list[int]  # output tokens each request must produce (EOS ignored)
+    prefix_len: int = 0  # tokens shared by every prompt (shared-prefix)
+
+    @property
+    def num_prompt_tokens(self):
+        return sum(map(len, self.prompts))
+
+    @property
+    def num_output_tokens(self):
+        return sum(self.output_lens)
+
+    def longest_request(self):
+        """The request that takes longest alone: the most output tokens (one decode step each), then the longest prompt."""
+        return max(range(len(self.prompts)), key=lambda i: (self.output_lens[i], len(self.prompts[i])))
+
+    def describe(self):
+        d = {"name": self.name, "num_requests": len(self.prompts), "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens}
+        d["prompt_len"] = [min(map(len, self.prompts)), max(map(len, self.prompts))]
+        d["output_len"] = [min(self.output_lens), max(self.output_lens)]
+        if self.prefix_len:
+            d["prefix_len"] = self.prefix_len
+        return d
+
+
+def random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0, name="random"):
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randrange(vocab_size) for _ in range(rng.randint(min_prompt_len, max_prompt_len))])
+        output_lens.append(rng.randint(min_output_len, max_output_len))
+    return Workload(name, prompts, output_lens)
+
+
+def shared_prefix_workload(vocab_size, prefix_len, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0):
+    """One common system prompt, then a distinct question per request (min..max_prompt_len tokens)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    questions = random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=seed + 1)
+    return Workload("shared-prefix", [prefix + q for q in questions.prompts], questions.output_lens, prefix_len)
+
+
+def make_workload(args, vocab_size):
+    sizes = dict(num_requests=args.num_requests, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
+                 min_output_len=args.min_output_len, max_output_len=args.max_output_len)
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(vocab_size, args.prefix_len, **sizes)
+    return random_workload(vocab_size, **sizes)
+
+
+def warmup_workload(vocab_size):
+    return random_workload(vocab_size, **WARMUP, seed=1, name="warm-up")
+
+
+# ---- Measurement ----
+
+
+@dataclass
+class Run:
+    """What one system produced for a workload."""
+
+    output_ids: list[list[int]]  # each request's output token ids, counted up to its own output length only
+    seconds: float  # from the first request submitted to the last one finished
+    ttfts: list[float] | None = None  # time to first token of each request, from the start of the run
+    tpots: list[float] | None = None  # (finished - first token) / (output tokens - 1) of each request
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (nanobatch only)
+    extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
+    stats: EngineStats | None = None  # nanobatch only
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: float | None = None
+    num_output_tokens: int = 0
+    peak_memory_bytes: int | None = None  # see PeakMemory
+    ttft_mean_s: float | None = None
+    ttft_p99_s: float | None = None
+    tpot_mean_s: float | None = None
+    prefix_hit_rate: float | None = None  # prompt tokens served from the prefix cache / prompt tokens
+    num_same_outputs: int | None = None  # requests whose output equals the first system's (greedy: all, up to numerics)
+    skipped: str | None = None  # why the system did not run
+
+    @property
+    def output_tokens_per_s(self):
+        return self.num_output_tokens / self.seconds if self.seconds else None
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def release_freed_memory():
+    """Give freed memory back (Python objects, the CUDA caching allocator, glibc's heap), so that the next
+    run's baseline is what is really held, and a run cannot reuse memory a previous one left behind unseen."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+class PeakMemory:
+    """Peak memory a run adds on top of what the process held before it.
+
+    CUDA: torch's peak allocated bytes on the device, minus those allocated before. CPU: the process's
+    resident set size (RSS; tracemalloc does not see torch's allocations), sampled every few milliseconds
+    by a background thread, peak minus the RSS before the run. The model weights are loaded before, so they
+    are not counted; caches, activations and padding are. nanobatch's KV pool is allocated with the engine,
+    before any run, so neither measure sees it: it is charged the blocks it held at its peak instead
+    (Run.extra_memory_bytes)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.peak_bytes = None
+
+    def __enter__(self):
+        release_freed_memory()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        elif os.path.exists("/proc/self/statm"):
+            self.before = self.peak = rss_bytes()
+            self.done = threading.Event()
+            self.sampler = threading.Thread(target=self._sample, daemon=True)
+            self.sampler.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(MEMORY_SAMPLE_SECONDS):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.before
+        elif hasattr(self, "sampler"):
+            self.done.set()
+            self.sampler.join()
+            self.peak_bytes = max(self.peak, rss_bytes()) - self.before
+        return False
+
+
+def measure(name, run_fn, workload, warmup, device) -> tuple[SystemResult, Run]:
+    """One warm-up run (not counted), then the measured run, checked to produce every requested token."""
+    print(f"[{name}] warm-up ...", file=sys.stderr, flush=True)
+    run_fn(warmup)
+    print(f"[{name}] {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
+    with PeakMemory(device) as memory:
+        run = run_fn(workload)
+    short = [i for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens)) if len(ids) != n]
+    if short:
+        i = short[0]
+        raise RuntimeError(f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)")
+    result = SystemResult(name, run.seconds, sum(map(len, run.output_ids)))
+    if memory.peak_bytes is not None:
+        result.peak_memory_bytes = memory.peak_bytes + run.extra_memory_bytes
+    if run.ttfts:
+        result.ttft_mean_s, result.ttft_p99_s = mean(run.ttfts), percentile(run.ttfts, 99)
+    if run.tpots:
+        result.tpot_mean_s = mean(run.tpots)
+    if run.num_cached_tokens is not None:
+        result.prefix_hit_rate = run.num_cached_tokens / workload.num_prompt_tokens
+    print(f"[{name}] {result.seconds:.1f} s", file=sys.stderr, flush=True)
+    return result, run
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def percentile(xs, q):
+    """Nearest-rank percentile."""
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- nanobatch ----
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def load_nanobatch(model_path, args):
+    # the KV pool is allocated (and zeroed, so resident) here, before any run: PeakMemory does not see it,
+    # engine_run counts the blocks a run held at its peak instead
+    return LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def reset_prefix_cache(llm):
+    """Forget every cached block, so that no run is served from blocks an earlier run (with the same
+    prompts) left in the cache. Only valid while no request is running: every block is free."""
+    if hasattr(llm, "reset_prefix_cache"):
+        return llm.reset_prefix_cache()
+    allocator = llm.allocator  # the engine has no public call for this (yet): clear the allocator's cache index
+    assert allocator.num_free_blocks == allocator.num_blocks, "reset_prefix_cache with requests running"
+    allocator.cached.clear()
+    allocator.block_keys = [None] * allocator.num_blocks
+
+
+def kv_bytes_per_block(llm):
+    return llm.kv_cache[:, :, 0].numel() * llm.kv_cache.element_size()  # K and V of one block in every layer
+
+
+def begin_engine_run(llm, prefix_caching=True):
+    reset_prefix_cache(llm)
+    llm.config.enable_prefix_caching = prefix_caching  # read by the scheduler at every step; safe while idle
+    llm.stats = EngineStats()  # the engine's counters add up over its lifetime: count this run only
+
+
+def run_nanobatch(llm, workload, prefix_caching=True) -> Run:
+    """Continuous batching: every request is queued at once; the engine admits them as room frees up."""
+    begin_engine_run(llm, prefix_caching)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, [greedy(n) for n in workload.output_lens], use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return engine_run(llm, outputs, seconds, start)
+
+
+def run_nanobatch_static(llm, workload) -> Run:
+    """Static batching through the same engine: batches of max_num_seqs consecutive requests, each run to
+    the end of its longest request while the next batch waits."""
+    begin_engine_run(llm)
+    size, outputs, total = llm.config.max_num_seqs, [], EngineStats()
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), size):
+        llm.stats = EngineStats()
+        outputs += llm.generate(workload.prompts[i : i + size], [greedy(n) for n in workload.output_lens[i : i + size]], use_tqdm=False)
+        total = add_stats(total, llm.stats)
+    seconds = time.perf_counter() - start
+    llm.stats = total
+    return engine_run(llm, outputs, seconds, start)
+
+
+def add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
+    """Counts add up; the peak is the higher of the two, with its utilisation."""
+    peak = a if a.peak_blocks_in_use >= b.peak_blocks_in_use else b
+    return EngineStats(
+        num_steps=a.num_steps + b.num_steps,
+        num_output_tokens=a.num_output_tokens + b.num_output_tokens,
+        num_preemptions=a.num_preemptions + b.num_preemptions,
+        peak_blocks_in_use=peak.peak_blocks_in_use,
+        kv_utilization_at_peak=peak.kv_utilization_at_peak,
+    )
+
+
+def engine_run(llm, outputs, seconds, start) -> Run:
+    """Per-request latencies from the engine's metrics. Every request of the workload arrives at the start
+    of the run, so TTFT counts from there (for static batching that includes waiting for earlier batches)."""
+    ttfts, tpots = [], []
+    for out in outputs:
+        m, num_out = out.metrics, len(out.outputs[0].token_ids)
+        ttfts.append(m.first_token_time - start)
+        if num_out > 1:
+            tpots.append((m.finished_time - m.first_token_time) / (num_out - 1))
+    return Run(
+        output_ids=[out.outputs[0].token_ids for out in outputs],
+        seconds=seconds,
+        ttfts=ttfts,
+        tpots=tpots,
+        num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
+        extra_memory_bytes=llm.stats.peak_blocks_in_use * kv_bytes_per_block(llm),
+        stats=llm.stats,
+    )
+
+
+def ideal_seconds(llm, workload):
+    """The wall time no batching can beat on this workload: its longest request, run alone."""
+    i = workload.longest_request()
+    begin_engine_run(llm)
+    start = time.perf_counter()
+    llm.generate([workload.prompts[i]], [greedy(workload.output_lens[i])], use_tqdm=False)
+    return time.perf_counter() - start
+
+
+# ---- HF transformers ----
+
+
+def load_hf_model(model_path, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    gguf = {"gguf_file": os.path.basename(model_path)} if model_path.endswith(".gguf") else {}
+    folder = os.path.dirname(model_path) if gguf else model_path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **gguf).to(device).eval()
+    # never stop at EOS: generation runs to max_new_tokens (checked on every batch in run_hf_generate)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_generate(model, workload, batch_size) -> Run:
+    """Static batching with HF generate: batches of batch_size consecutive requests, left-padded to the
+    longest prompt (attention mask marks the padding), greedy, max_new_tokens = the batch's longest output.
+    Token count: each request counts only its own output length; the tokens it generates past that while
+    the batch finishes its longest request are wasted work, as in any static batch."""
+    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else 0
+    output_ids = []
+    synchronize(model.device)
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), batch_size):
+        prompts, lens = workload.prompts[i : i + batch_size], workload.output_lens[i : i + batch_size]
+        width, max_new = max(map(len, prompts)), max(lens)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # (batch, width)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)  # (batch, width)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+        if out.shape[1] != width + max_new:
+            raise RuntimeError(f"hf-generate stopped early: {out.shape[1] - width} of {max_new} new tokens")
+        new = out[:, width:].tolist()  # (batch, max_new)
+        output_ids += [ids[:n] for ids, n in zip(new, lens)]
+    synchronize(model.device)
+    return Run(output_ids, time.perf_counter() - start)
+
+
+def hf_continuous_batching_config(workload, args):
+    """The same budgets as nanobatch: requests per batch and tokens per step. HF sizes its cache from free
+    memory (on a CPU: most of the RAM) and allocates it whole, up front; we give it the workload's worst
+    case instead, max_num_seqs of its longest requests, so that it never evicts and its cache is not
+    charged more memory than it can use (nanobatch is charged its blocks in use at the peak)."""
+    from transformers import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(max_requests_per_batch=args.max_num_seqs, max_batch_tokens=args.max_num_batched_tokens)
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    config.num_blocks = args.max_num_seqs * math.ceil(longest / config.page_size)  # blocks of page_size tokens
+    return config
+
+
+def run_hf_generate_batch(model, workload, args) -> Run:
+    """HF's continuous batching. model.generate_batch takes one max_new_tokens for all requests, so we drive
+    the manager behind it (the same context manager generate_batch uses) to give each request its own
+    length. Timed from the first request queued to the last result; the manager's setup (cache allocation,
+    CUDA-graph warm-up) is outside the timing but inside the memory measurement."""
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.eos_token_id = -1  # no EOS (None would do the same, with a warning, and set it on the model)
+    cb_config = hf_continuous_batching_config(workload, args)
+    done = {}
+    with model.continuous_batching_context_manager(generation_config, continuous_batching_config=cb_config, block=True, timeout=60) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+            manager.add_request(prompt, request_id=str(i), max_new_tokens=n, eos_token_id=-1, record_timestamps=True)  # -1: no EOS
+        while len(done) < len(workload.prompts):
+            result = manager.get_result(timeout=1)
+            if result is None and not manager.is_running():
+                raise RuntimeError("the generation thread stopped")
+            if result is not None and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(result.error)
+                done[result.request_id] = result
+        seconds = time.perf_counter() - start
+    results = [done[str(i)] for i in range(len(workload.prompts))]
+    ttfts = [r.timestamps[0] - start for r in results if r.timestamps]
+    tpots = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results if r.timestamps and len(r.timestamps) > 1]
+    return Run([list(r.generated_tokens) for r in results], seconds, ttfts or None, tpots or None)
+
+
+def save_random_qwen3(folder, tokenizer_source):
+    """A Qwen3-0.6B-shaped model with random weights (no download needed), saved as a HF folder with the
+    default model's tokenizer: nanobatch and HF both load it from there."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**QWEN3_0_6B_SHAPE, architectures=["Qwen3ForCausalLM"], dtype="bfloat16")
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    gguf = {"gguf_file": os.path.basename(tokenizer_source)}
+    AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_source), **gguf).save_pretrained(folder)
+    return folder
+
+
+# ---- Roofline ----
+
+
+@dataclass
+class Roofline:
+    copy_bandwidth_gb_s: float  # bytes read + written per second by a large device-to-device copy
+    batch_size: int  # sequences decoding in the measured steps
+    context_len: int  # prompt tokens of each sequence
+    weight_bytes: int
+    kv_bytes: int  # live K/V of the batch, about its mean over the measured steps
+    roofline_step_s: float  # (weights + live KV) / bandwidth: the fastest a decode step can be
+    measured_step_s: float
+
+
+def copy_bandwidth(device, num_bytes=256 << 20, repeats=20):
+    """Measured before the engine is loaded (on a GPU its KV pool then takes most of the memory); the
+    buffers are far larger than any cache, so this is the memory's bandwidth."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)  # (num_bytes,)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch, allocation
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * num_bytes * repeats / (time.perf_counter() - start)  # every byte read once and written once
+
+
+def measure_decode_step(llm, batch_size, context_len, num_steps):
+    """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
+    step until all have two output tokens (prefill over), then time num_steps steps."""
+    begin_engine_run(llm)
+    rng = random.Random(2)
+    vocab = llm.model_config.vocab_size
+    # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
+    num_prefill_steps = math.ceil(batch_size * context_len / llm.config.max_num_batched_tokens) + 1
+    params = greedy(num_prefill_steps + num_steps + 4)
+    ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
+    counts = dict.fromkeys(ids, 0)
+    while min(counts.values()) < 2:
+        for out in llm.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+    synchronize(llm.device)
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        llm.step()  # samples and calls .tolist(): each step ends synchronised
+    seconds = (time.perf_counter() - start) / num_steps
+    for request_id in ids:
+        llm.abort_request(request_id)
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.step()  # hands out the aborted requests' final outputs
+    return seconds
+
+
+def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())  # tied embeddings once
+    bytes_per_token = kv_bytes_per_block(llm) // llm.config.block_size
+    num_steps = 16
+    kv_bytes = batch_size * (context_len + 2 + num_steps // 2) * bytes_per_token  # about: some are a few tokens ahead
+    measured = measure_decode_step(llm, batch_size, context_len, num_steps)
+    return Roofline(bandwidth / 1e9, batch_size, context_len, weight_bytes, kv_bytes, (weight_bytes + kv_bytes) / bandwidth, measured)
+
+
+# ---- Report ----
+
+
+def mark_same_outputs(results, runs):
+    """How many requests got the same output tokens as the first system (greedy: all of them, up to
+    numerical differences between implementations)."""
+    reference = runs[0].output_ids
+    for result, run in zip(results, runs):
+        result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, reference))
+
+
+def cell(x, width, spec, scale=1, suffix=""):
+    return format("-" if x is None else format(x * scale, spec) + suffix, f">{width}")
+
+
+def format_table(results, workload, reference="nanobatch"):
+    ref = next((r.output_tokens_per_s for r in results if r.name == reference and r.seconds), None)
+    header = (f"{'system':<26} {'out tok/s':>9} {'seconds':>8} {'vs nanobatch':>12} {'peak MiB':>9} "
+              f"{'TTFT mean':>9} {'TTFT p99':>9} {'TPOT ms':>8} {'prefix hit':>10} {'same out':>9}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        if r.skipped:
+            lines.append(f"{r.name:<26} skipped: {r.skipped}")
+            continue
+        ratio = r.output_tokens_per_s / ref if ref else None
+        same = f"{r.num_same_outputs}/{len(workload.prompts)}" if r.num_same_outputs is not None else None
+        lines.append(" ".join([
+            f"{r.name:<26}", cell(r.output_tokens_per_s, 9, ".1f"), cell(r.seconds, 8, ".2f"), cell(ratio, 12, ".2f", suffix="x"),
+            cell(r.peak_memory_bytes, 9, ".0f", 2**-20), cell(r.ttft_mean_s, 9, ".2f", suffix="s"), cell(r.ttft_p99_s, 9, ".2f", suffix="s"),
+            cell(r.tpot_mean_s, 8, ".1f", 1e3), cell(r.prefix_hit_rate, 10, ".1%"), cell(same, 9, ""),
+        ]))
+    return "\n".join(lines)
+
+
+def format_engine_details(name, stats, llm, seconds, ideal_s=None):
+    pool = llm.allocator.num_blocks
+    line = (f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
+            f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
+            f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)")
+    if ideal_s is not None:
+        line += f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s (the longest request alone: no batching can finish sooner)"
+    return line
+
+
+def format_roofline(r: Roofline):
+    return (f"decode roofline: batch {r.batch_size} x ~{r.context_len} tokens; reads {r.weight_bytes / 2**20:.0f} MiB weights + "
+            f"{r.kv_bytes / 2**20:.0f} MiB live KV per step at {r.copy_bandwidth_gb_s:.0f} GB/s (measured copy) = "
+            f"{r.roofline_step_s * 1e3:.2f} ms; measured step {r.measured_step_s * 1e3:.2f} ms "
+            f"({r.roofline_step_s / r.measured_step_s:.0%} of the roofline)")
+
+
+def write_json(path, machine, workload, results, extra):
+    systems = [{"name": r.name, "output_tokens_per_s": r.output_tokens_per_s, **{k: v for k, v in asdict(r).items() if k != "name"}} for r in results]
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "workload": workload.describe(), "systems": systems, **extra}, f, indent=2)
+
+
+def plot(path, results, workload):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+    ran = [r for r in results if not r.skipped]
+    fig, ax = plt.subplots(figsize=(1.8 * len(ran) + 2, 4))
+    bars = ax.bar([r.name for r in ran], [r.output_tokens_per_s for r in ran], color="tab:blue")
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{workload.name}: {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+# ---- CLI ----
+
+
+def run_engine_systems(args, model_path, device, results, runs, extra):
+    """Every nanobatch system on one engine (one model load); returns the workload built from its vocab."""
+    bandwidth = copy_bandwidth(device) if args.roofline else None
+    llm = load_nanobatch(model_path, args)
+    workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size)
+    runners = {
+        "nanobatch": lambda wl: run_nanobatch(llm, wl),
+        "nanobatch-static": lambda wl: run_nanobatch_static(llm, wl),
+        "nanobatch-no-prefix-cache": lambda wl: run_nanobatch(llm, wl, prefix_caching=False),
+    }
+    details = []
+    for name in [s for s in args.systems if s in runners]:
+        result, run = measure(name, runners[name], workload, warmup, device)
+        ideal = ideal_seconds(llm, workload) if name == "nanobatch" else None
+        if ideal is not None:
+            extra["nanobatch_ideal_seconds"] = ideal
+        extra.setdefault("engine", {})[name] = asdict(run.stats)
+        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal))
+        results.append(result)
+        runs.append(run)
+    if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
+        raise RuntimeError("nanobatch-no-prefix-cache was served from the prefix cache: enable_prefix_caching is not honoured")
+    if args.roofline:
+        context = (args.min_prompt_len + args.max_prompt_len) // 2 + (args.prefix_len if args.workload == "shared-prefix" else 0)
+        roofline = decode_roofline(llm, bandwidth, args.max_num_seqs, context)
+        extra["roofline"] = asdict(roofline)
+        details.append(format_roofline(roofline))
+    del llm
+    release_freed_memory()  # the next systems get the memory (on a GPU the KV pool holds most of it)
+    return workload, details
+
+
+def run_hf_systems(args, model_path, device, workload, results, runs):
+    hf = [s for s in args.systems if s.startswith("hf-")]
+    try:
+        model = load_hf_model(model_path, nanobatch.DTYPES[args.dtype], device)
+    except Exception as e:  # e.g. a model family this transformers cannot load
+        results += [SystemResult(name, skipped=f"could not load the model in transformers: {e}") for name in hf]
+        return workload
+    workload = workload or make_workload(args, model.config.vocab_size)
+    warmup = warmup_workload(model.config.vocab_size)
+    runners = {
+        "hf-generate": lambda wl: run_hf_generate(model, wl, args.max_num_seqs),
+        "hf-generate-batch": lambda wl: run_hf_generate_batch(model, wl, args),
+    }
+    for name in hf:
+        try:
+            result, run = measure(name, runners[name], workload, warmup, device)
+        except Exception as e:  # report a peer that cannot run here instead of losing the whole table
+            results.append(SystemResult(name, skipped=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            continue
+        results.append(result)
+        runs.append(run)
+    return workload
+
+
+def resolve_model(args):
+    if args.model == RANDOM_QWEN3:
+        print(f"building {RANDOM_QWEN3} ...", file=sys.stderr, flush=True)
+        folder = tempfile.mkdtemp(prefix="bench-qwen3-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return save_random_qwen3(folder, nanobatch.default_model_path())
+    return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
+
+
+def build_arg_parser():
+    sizes = "; ".join(f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items())
+    p = argparse.ArgumentParser(description="nanobatch throughput and latency, side by side with HF transformers",
+                                epilog=f"Defaults that depend on the device and the workload: {sizes}.")
+    p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random")
+    p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
+                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])})")
+    p.add_argument("--model", help=f"HF folder or .gguf file, or {RANDOM_QWEN3} (default: {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
+    g = p.add_argument_group("workload sizes (defaults: see below)")
+    for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
+        g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="shared-prefix: tokens of the common system prompt")
+    g = p.add_argument_group("batching budgets, the same for every system")
+    g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline (default: on a GPU only)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
+    return p
+
+
+def resolve_args(args):
+    """Fill the defaults that depend on the device and the workload, and check the ranges."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in WORKLOAD_DEFAULTS[(device, args.workload)].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS[args.workload]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
+    if args.model is None and device == "cuda":
+        args.model = RANDOM_QWEN3
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if device == "cuda" else "float32"
+    if args.roofline is None:
+        args.roofline = device == "cuda"
+    for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, lo) <= getattr(args, hi):
+            raise ValueError(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
+    if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
+        raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+    return torch.device(device)
+
+
+def main(args):
+    device = resolve_args(args)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' notes on loading and generation flags
+    hf_logging.disable_progress_bar()  # and its weight-loading bars: the bench prints its own progress
+    machine = machine_info()
+    model_path = resolve_model(args)
+    results, runs, extra, details, workload = [], [], {}, [], None
+    if any(s.startswith("nanobatch") for s in args.systems):
+        workload, details = run_engine_systems(args, model_path, device, results, runs, extra)
+    if any(s.startswith("hf-") for s in args.systems):
+        workload = run_hf_systems(args, model_path, device, workload, results, runs)
+    if runs:
+        mark_same_outputs([r for r in results if not r.skipped], runs)
+    if workload is None:
+        raise RuntimeError("no system ran")
+
+    print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
+    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); workload: {json.dumps(workload.describe())}; "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
+    print(format_table(results, workload))
+    print("\n" + "\n".join(details) if details else "")
+    on, off = (next((r for r in results if r.name == n and r.seconds), None) for n in ("nanobatch", "nanobatch-no-prefix-cache"))
+    if on and off:
+        print(f"prefix caching: hit rate {on.prefix_hit_rate:.1%}, speed-up {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x (tokens/s on / off)")
+    if args.json:
+        write_json(args.json, machine, workload, results, extra)
+    if args.plot:
+        plot(args.plot, results, workload)
+
+
+if __name__ == "__main__":
+    args = build_arg_parser().parse_args()
+    try:
+        main(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
