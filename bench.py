@@ -311,23 +311,12 @@ def load_nanobatch(model_path, args):
     return LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
-def reset_prefix_cache(llm):
-    """Forget every cached block, so that no run is served from blocks an earlier run (with the same
-    prompts) left in the cache. Only valid while no request is running: every block is free."""
-    if hasattr(llm, "reset_prefix_cache"):
-        return llm.reset_prefix_cache()
-    allocator = llm.allocator  # the engine has no public call for this (yet): clear the allocator's cache index
-    assert allocator.num_free_blocks == allocator.num_blocks, "reset_prefix_cache with requests running"
-    allocator.cached.clear()
-    allocator.block_keys = [None] * allocator.num_blocks
-
-
 def kv_bytes_per_block(llm):
     return llm.kv_cache[:, :, 0].numel() * llm.kv_cache.element_size()  # K and V of one block in every layer
 
 
 def begin_engine_run(llm, prefix_caching=True):
-    reset_prefix_cache(llm)
+    llm.reset_prefix_cache()  # no run may be served from blocks an earlier run (same prompts) left cached
     llm.config.enable_prefix_caching = prefix_caching  # read by the scheduler at every step; safe while idle
     llm.stats = EngineStats()  # the engine's counters add up over its lifetime: count this run only
 

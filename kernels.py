@@ -189,8 +189,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         valid = torch.arange(max_len, device=q.device) < seq_lens[idx, None].long()  # (S, L)
         # the gathered copy holds other sequences' rows past each seq_len: zero them, since a
         # masked score still multiplies its V row (NaN * 0 is NaN) and NaN + -inf is NaN
-        k.masked_fill_(~valid[:, :, None, None], 0.0)
-        v.masked_fill_(~valid[:, :, None, None], 0.0)
+        past_end = (~valid).nonzero(as_tuple=True)  # (seq, position) pairs: few, only each sequence's tail
+        k[past_end] = 0
+        v[past_end] = 0
         qd = q[rows].view(len(decode), num_kv_heads, group, head_dim)  # (S, Hkv, G, D)
         o = _attend(qd, k, v, valid[:, None, None, :], scale)  # (S, Hkv, G, D)
         out[rows] = o.reshape(len(decode), num_heads, head_dim).to(q.dtype)

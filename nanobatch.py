@@ -199,7 +199,7 @@ class RequestOutput:
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself, whatever its fields
 class Request:
     request_id: str
     prompt: str | None
@@ -215,7 +215,7 @@ class Request:
         return done and (len(self.seqs) == self.params.n or self.seqs[0].finish_reason == "abort")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` and `remove` on scheduler queues must not compare fields
 class Sequence:
     seq_id: int
     request: Request
@@ -308,6 +308,11 @@ class BlockAllocator:
             return None  # a miss, or a hash collision caught by comparing the tokens
         self.share(block_id)
         return block_id
+
+    def reset_cache(self):
+        """Forget every cached prefix (held blocks keep their contents, they just stop being shareable)."""
+        self.cached.clear()
+        self.block_keys = [None] * self.num_blocks
 
     def register(self, block_id, key, parent_key, token_ids):
         if key not in self.cached:  # the first full block with these tokens serves later lookups
@@ -972,6 +977,10 @@ class LLM:
                 self.scheduler.finish(seq)
         self.aborted.append(request)
 
+    def reset_prefix_cache(self):
+        """Empty the prefix cache (as vLLM's): later requests recompute every prompt block."""
+        self.allocator.reset_cache()
+
     def has_unfinished_requests(self):
         return self.scheduler.has_unfinished() or bool(self.aborted)  # an abort's final output is still to come
 
@@ -1114,9 +1123,16 @@ class LLM:
         s.num_preemptions += batch.num_preempted
         in_use = self.allocator.num_blocks - self.allocator.num_free_blocks
         if in_use > s.peak_blocks_in_use:
-            stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
             s.peak_blocks_in_use = in_use
-            s.kv_utilization_at_peak = min(1.0, stored / (in_use * self.config.block_size))
+            s.kv_utilization_at_peak = self._filled_slots() / (in_use * self.config.block_size)
+
+    def _filled_slots(self):
+        """Token slots holding K/V in the blocks of running sequences, a shared block counted once."""
+        bs, filled = self.config.block_size, {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(seq.block_ids):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
+        return sum(n for n in filled.values() if n > 0)
 
     # -- the offline API --
 
@@ -1170,7 +1186,7 @@ class EngineStats:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     peak_blocks_in_use: int = 0
-    kv_utilization_at_peak: float = 0.0  # tokens stored / token slots of the blocks in use, at the peak
+    kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
 
 
 def _as_list(x):
