@@ -312,7 +312,7 @@ def load_nanobatch(model_path, args):
 
 
 def kv_bytes_per_block(llm):
-    return llm.kv_cache[:, :, 0].numel() * llm.kv_cache.element_size()  # K and V of one block in every layer
+    return llm.kv_pool[:, :, 0].numel() * llm.kv_pool.element_size()  # K and V of one block in every layer
 
 
 def begin_engine_run(llm, prefix_caching=True):

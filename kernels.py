@@ -48,6 +48,7 @@ Triton paged_attention / dispatch.
 Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
+import contextlib
 import os
 
 import torch
@@ -122,6 +123,11 @@ def _check_same_device(name, *tensors):
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _on_device(t):
+    """Triton launches on the current CUDA device: make it the tensors' one (cuda:1, or another thread)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _check_triton(name, *tensors):
@@ -259,13 +265,14 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        num_warps=1,  # one row of at most 256 elements: a single warp covers it
-    )
+    with _on_device(k_cache):
+        _store_kv_kernel[(num_tokens, num_kv_heads)](
+            k, v, k_cache, v_cache, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+            num_warps=1,  # one row of at most 256 elements: a single warp covers it
+        )
 
 
 # ---- Triton: paged_attention ----
@@ -430,18 +437,19 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     q_blocks = torch.arange(num_q_blocks, dtype=torch.int32, device=q.device)  # (num_q_blocks,)
     q_block_seq = (torch.searchsorted(first, q_blocks, right=True) - 1).to(torch.int32)  # (num_q_blocks,)
 
-    _paged_attention_kernel[(num_q_blocks, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_block_seq,
-        scale * 1.4426950408889634,  # log2(e)
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_QUERIES_PER_KV=group, BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
-        DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
-        num_warps=4,
-    )
+    with _on_device(q):
+        _paged_attention_kernel[(num_q_blocks, num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_block_seq,
+            scale * 1.4426950408889634,  # log2(e)
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            NUM_QUERIES_PER_KV=group, BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+            # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
+            DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
+            num_warps=4,
+        )
     return out
 
 

@@ -127,12 +127,12 @@ class SamplingParams:
         number = (int, float)
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, number) or not 0 <= self.temperature < math.inf:
-            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, number) or not 0 <= float(self.temperature) < math.inf:
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not isinstance(self.top_p, number) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable it")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k < 2**31:
+            bad("top_k", "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it")
         if not isinstance(self.min_p, number) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
@@ -147,8 +147,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a bool")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer from 0 to 2**63 - 1, or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer from 0 to 20 or None")
         if self.top_k == -1:
@@ -207,12 +207,17 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list["Sequence"] = field(default_factory=list)  # the n samples; one until the prompt is prefilled
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at the first admission
+
+    @property
+    def forked(self):
+        # until its prompt is prefilled a request is one sequence; then it forks into its n samples
+        return len(self.seqs) == self.params.n
 
     def finished(self):
         # an aborted request may end before it forked into its n samples
         done = all(s.status == FINISHED for s in self.seqs)
-        return done and (len(self.seqs) == self.params.n or self.seqs[0].finish_reason == "abort")
+        return done and (self.forked or self.seqs[0].finish_reason == "abort")
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` on scheduler queues must not compare fields
@@ -226,10 +231,10 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block, chained
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
-    # output text, detokenized incrementally (see Engine._detokenize)
+    # output text, detokenized incrementally (see LLM._detokenize)
     text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    prefix_offset: int = 0  # token_ids[prefix_offset:read_offset]: context decoded again for the next characters
+    read_offset: int = 0  # tokens up to here are in text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list | None = None
@@ -246,7 +251,7 @@ class Sequence:
     @property
     def num_seats(self):
         # a request that will fork into n samples after its prefill keeps n seats in the batch
-        return self.request.params.n if len(self.request.seqs) == 1 else 1
+        return 1 if self.request.forked else self.request.params.n
 
 
 # ---- Block allocator ----
@@ -344,17 +349,17 @@ class Scheduler:
     token budget left is prefilled in chunks over several steps.
 
     Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and
-    preempted sequences go back to its front), and running sequences are served
-    oldest first every step. Every request has a finite length and a lone
-    request always fits the pool (checked at add time), so the oldest request
-    always makes progress and every request finishes."""
+    preempted sequences go back to its front); running sequences are served every
+    step (decodes first, each class oldest first), and when blocks run out the
+    newest admission is preempted, never an older one. One sequence alone always
+    fits the pool (checked at add time), so the oldest running sequence always makes
+    progress; every request has a finite length, so every request finishes."""
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.config, self.allocator = config, allocator
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self.num_preemptions = 0
 
     def add(self, seq):
         self.waiting.append(seq)
@@ -364,7 +369,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [])
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.num_preempted:  # blocks are short when someone was preempted: admit nobody new
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch, budget):
+        """Decodes first (one token each, so that running requests never stall behind a
+        long prompt), then the next chunk of each unfinished prefill. Returns the budget left."""
         decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
@@ -374,6 +386,8 @@ class Scheduler:
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self._allocate_slots(seq, num_new, batch.block_copies):
+                # the victim is the newest admission not already in this batch; when only
+                # sequences already scheduled are newer than seq, seq itself is the newest left
                 victim = next((s for s in reversed(self.running) if s not in batch.seqs), seq)
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -383,9 +397,10 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
-        if batch.num_preempted:
-            return batch  # blocks are short: admit nobody new this step
+        return budget
 
+    def _admit_waiting(self, batch, budget):
+        """Waiting requests in arrival order while the token, seat and block budgets allow."""
         seats = sum(s.num_seats for s in self.running)
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -395,7 +410,7 @@ class Scheduler:
                 self._release(seq)  # FCFS: the head waits for blocks, nobody overtakes it
                 break
             self.waiting.popleft()
-            if seq.request.metrics.first_token_time is None:  # first admission: count prefix-cache hits
+            if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits
                 seq.request.num_cached_tokens = num_cached
             seq.status = RUNNING
             self.running.append(seq)
@@ -403,7 +418,6 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
             seats += seq.num_seats
-        return batch
 
     def _take_cached_prefix(self, seq):
         """Serve the sequence's leading full blocks from the prefix cache. The last
@@ -433,9 +447,10 @@ class Scheduler:
         A sequence needs a new block exactly when a token starts one; a partial block
         shared with a forked sibling is copied first (copy-on-write)."""
         first_pos = seq.num_computed_tokens
-        num_needed = -(-(first_pos + num_new) // self.block_size) - len(seq.block_ids)
+        num_needed = -(-(first_pos + num_new) // self.block_size) - len(seq.block_ids)  # ceil(end / block_size) - held
+        # only a fork shares a partial block (the prefix cache shares full blocks, which are never written)
         cow = first_pos % self.block_size != 0 and self.allocator.ref_counts[seq.block_ids[first_pos // self.block_size]] > 1
-        if not self.allocator.can_allocate(num_needed + cow):
+        if not self.allocator.can_allocate(num_needed + int(cow)):
             return False
         if cow:
             i = first_pos // self.block_size
@@ -458,7 +473,6 @@ class Scheduler:
         self._release(seq)
         seq.status = WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def mark_computed(self, batch: ScheduledBatch):
         """After the forward: the new K/V are in the cache, full blocks become shareable."""
@@ -722,17 +736,15 @@ def load_model(path, dtype, device):
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path)
     with torch.device("meta"):
-        model = Model(cfg)  # no memory yet: the checkpoint fills it
+        model = Model(cfg).to(dtype)  # no memory yet: the checkpoint fills it, cast to dtype as it is copied in
     model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint
+    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.model.to(dtype)
-    model.lm_head.to(dtype)  # the rotary frequencies stay fp32
     model.eval()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -767,6 +779,8 @@ def _load_gguf_weights(path, gguf):
 
 # ---- Sampler ----
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would overflow to inf, then NaN)
+
 
 @dataclass
 class SamplingBatch:
@@ -785,13 +799,13 @@ class SamplingBatch:
         params = [s.request.params for s in seqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
+            temperature=torch.tensor([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             generators=[s.generator for s in seqs],
             max_logprobs=max(wanted) if wanted else None,
-            all_greedy=all(p.temperature == 0 for p in params),
+            all_greedy=all(p.temperature < GREEDY_BELOW for p in params),
         )
 
 
@@ -829,15 +843,25 @@ def _apply_top_k_top_p(logits, top_k, top_p):
 
 
 def compute_logprobs(logits, token_ids, num_top):
-    """Log-probabilities of the sampled tokens, their ranks, and the num_top best alternatives."""
+    """Log-probabilities of the sampled tokens, their ranks, and the num_top best alternatives,
+    as Python lists (one device-to-host copy per step): (chosen, ranks, top values, top ids)."""
     logprobs = torch.log_softmax(logits, dim=-1)  # (S, vocab)
     chosen = logprobs.gather(1, token_ids[:, None])  # (S, 1)
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # (S,)
-    top = logprobs.topk(num_top, dim=-1) if num_top else None
-    return chosen[:, 0], ranks, top
+    top = logprobs.topk(num_top, dim=-1)  # (S, num_top) values and ids
+    return chosen[:, 0].tolist(), ranks.tolist(), top.values.tolist(), top.indices.tolist()
 
 
 # ---- Engine ----
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks_in_use: int = 0
+    kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
+
 
 
 class LLM:
@@ -851,7 +875,8 @@ class LLM:
         self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids(path)
-        self.kv_caches, num_blocks = self._allocate_kv_cache()
+        self.kv_pool, num_blocks = self._allocate_kv_cache()
+        self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.allocator)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -889,13 +914,14 @@ class LLM:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
         # so that a copy-on-write of block src -> dst is one indexing op over all layers
-        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
-        return [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)], num_blocks
+        kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
+        return kv_pool, num_blocks
 
     def _kv_cache_budget(self):
         if self.device.type == "cpu":
             return CPU_KV_CACHE_BYTES
         cfg, c = self.model_config, self.config
+        torch.cuda.empty_cache()  # memory freed while loading is reserved by torch's allocator, not used
         free, total = torch.cuda.mem_get_info(self.device)
         # activations of the largest step: a handful of (tokens, hidden / intermediate) tensors, plus fp32 logits
         activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
@@ -921,14 +947,26 @@ class LLM:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()))
-        self.requests[request_id] = request
         seq = self._new_seq(request, list(token_ids), index=0)
+        self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
 
+    def chat_prompt(self, messages):
+        """A chat rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
+        The template already holds BOS where the model wants one: tokenize without adding it again."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
     def _tokenize(self, prompt):
-        if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        """(text or None, token ids) of a string, a list of token ids, or vLLM's dict form."""
+        if isinstance(prompt, dict):  # {"prompt": text} and/or {"prompt_token_ids": [...]}
+            if prompt.get("prompt_token_ids") is not None:
+                return prompt.get("prompt"), self._tokenize(prompt["prompt_token_ids"])[1]
+            prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -954,7 +992,8 @@ class LLM:
 
     def _new_seq(self, request, token_ids, index):
         seed = request.params.seed
-        generator = torch.Generator(device=self.device).manual_seed(seed + index) if seed is not None else None
+        # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
+        generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
         seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
         seq.prefix_offset = seq.read_offset = len(token_ids)  # detokenize only what comes after this
         request.seqs.append(seq)
@@ -990,26 +1029,26 @@ class LLM:
         """Schedule, run the model once over the packed batch, sample, and return an
         output for every request that got a token (or finished) in this step."""
         batch = self.scheduler.schedule()
+        self._record_stats(batch)
         if not batch.seqs:
             return self._collect_aborted()
         for src, dst in batch.block_copies:  # copy-on-write, over every layer's K and V
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         input_ids, positions, meta, sampled_seqs = self._prepare_inputs(batch)
-        logits = self.model(input_ids, positions, self.kv_caches, meta)  # (num_sampled, vocab)
+        logits = self.model(input_ids, positions, self.layer_caches, meta)  # (num_sampled, vocab)
         self.scheduler.mark_computed(batch)
         # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
         rows, seqs = [], []
         for row, seq in enumerate(sampled_seqs):
             family = [seq]
-            if seq.request.params.n > 1 and len(seq.request.seqs) == 1:
+            if not seq.request.forked:
                 family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
             rows += [row] * len(family)
             seqs += family
-        logits = logits[rows] if len(rows) != len(sampled_seqs) else logits
+        logits = logits[rows] if len(rows) != len(sampled_seqs) else logits  # (num_samples, vocab)
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
-        token_ids = sample(logits, sb, self.generator)
+        token_ids = sample(logits, sb, self.generator)  # (num_samples,)
         logprobs = compute_logprobs(logits, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
-        self._record_stats(batch)
         return self._append_tokens(seqs, token_ids.tolist(), logprobs)
 
     def _prepare_inputs(self, batch: ScheduledBatch):
@@ -1044,8 +1083,9 @@ class LLM:
             seq.token_ids.append(token_id)
             if logprobs is not None and seq.request.params.logprobs is not None:
                 self._record_logprobs(seq, row, token_id, logprobs)
+            num_chars = len(seq.text)
             self._detokenize(seq)
-            self._check_stop(seq, token_id)
+            self._check_stop(seq, token_id, num_chars)
             if seq.finish_reason is not None:
                 if seq.stop_reason is None or isinstance(seq.stop_reason, int):
                     self._detokenize(seq, flush=True)  # a character still cut in the middle comes out as is
@@ -1059,40 +1099,43 @@ class LLM:
         return outputs + self._collect_aborted()
 
     def _record_logprobs(self, seq, row, token_id, logprobs):
-        chosen, ranks, top = logprobs
+        chosen, ranks, top_values, top_ids = logprobs
         decode = self.tokenizer.decode
-        entry = {token_id: Logprob(chosen[row].item(), int(ranks[row]), decode([token_id]))}
+        entry = {token_id: Logprob(chosen[row], ranks[row], decode([token_id]))}  # the sampled token first
         k = seq.request.params.logprobs
-        if k:
-            for rank, (lp, tid) in enumerate(zip(top.values[row, :k].tolist(), top.indices[row, :k].tolist()), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
+        for rank, (lp, tid) in enumerate(zip(top_values[row][:k], top_ids[row][:k]), start=1):
+            entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
         seq.logprobs = (seq.logprobs or []) + [entry]
         seq.cumulative_logprob += entry[token_id].logprob
 
     def _detokenize(self, seq, flush=False):
         """Incremental detokenization (as vLLM does it): decode a short window of
         tokens and keep only the new, complete characters, so that the output text
-        grows by whole characters and equals a decode of all output tokens."""
+        grows by whole characters and equals a decode of all output tokens. (The window
+        starts at the first output token, so a SentencePiece tokenizer drops that
+        token's leading space, as decoding the output tokens alone does.)"""
         prefix = self.tokenizer.decode(seq.token_ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(seq.token_ids[seq.prefix_offset :], skip_special_tokens=True)
         if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):  # "\ufffd": a character cut in the middle
             seq.text += full[len(prefix) :]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.token_ids)
 
-    def _check_stop(self, seq, token_id):
+    def _check_stop(self, seq, token_id, num_chars_before):
         params = seq.request.params
         if token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif not params.ignore_eos and token_id in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif params.stop and self._truncate_at_stop_string(seq):
+        elif params.stop and self._truncate_at_stop_string(seq, num_chars_before):
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     @staticmethod
-    def _truncate_at_stop_string(seq):
-        hits = [(i, s) for s in seq.request.params.stop if (i := seq.text.find(s)) >= 0]
+    def _truncate_at_stop_string(seq, num_chars_before):
+        # a stop string can only end in the new characters: search from len(stop) - 1 before them
+        stops = seq.request.params.stop
+        hits = [(i, s) for s in stops if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
         if not hits:
             return False
         at, seq.stop_reason = min(hits)
@@ -1109,7 +1152,7 @@ class LLM:
         finished = request.finished()
         if finished:
             del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens, request.metrics)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics)
 
     def _collect_aborted(self):
         """Aborted requests end exactly once: their final output comes out of the next step."""
@@ -1138,7 +1181,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order.
-        prompts: a string, a list of strings, or a list of token-id lists."""
+        prompts: a string, a list of strings, or a list of token-id lists. (Requests queued
+        earlier with add_request run along, but their outputs are not returned here.)"""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts) if prompts is not None else []
@@ -1153,11 +1197,11 @@ class LLM:
                 validated.append(self._validate(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self._enqueue(*v) for v in validated]
-        finished = {}
-        bar = _progress_bar(len(ids), use_tqdm)
+        ids, finished = [], {}
+        bar = _progress_bar(len(validated), use_tqdm)
         start, num_prompt, num_cached, num_out = time.perf_counter(), 0, 0, 0
         try:
+            ids += [self._enqueue(*v) for v in validated]
             while self.has_unfinished_requests():
                 for out in self.step():
                     if out.finished:
@@ -1178,15 +1222,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    peak_blocks_in_use: int = 0
-    kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
 
 
 def _as_list(x):
@@ -1337,7 +1372,7 @@ class EngineLoop:
 
     def _add(self, sub: Submission):
         try:
-            prompt = sub.prompt if sub.messages is None else self._chat_prompt(sub.messages)
+            prompt = sub.prompt if sub.messages is None else self.llm.chat_prompt(sub.messages)
             self.llm.add_request(prompt, sub.params, sub.request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             sub.outbox.put(ServerError(str(e)))
@@ -1346,12 +1381,6 @@ class EngineLoop:
             sub.outbox.put(ServerError(f"could not add the request: {e!r}", 500, "internal_server_error"))
             return
         self.outboxes[sub.request_id] = sub.outbox
-
-    def _chat_prompt(self, messages):
-        try:
-            return self.llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises on what the template forbids (e.g. roles that do not alternate)
-            raise ValueError(f"the chat template rejected the messages: {e}") from None
 
     def _step(self):
         try:
@@ -2000,20 +2029,19 @@ def run_cli(args):
     )
     if args.serve:
         return serve(llm, args.host, args.port)
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+    inputs = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts] if args.chat else prompts
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(inputs, params, use_tqdm=not args.quiet)
     seconds = time.perf_counter() - start
     if not args.quiet:
-        for out in outputs:
+        for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
-                print(f"--- prompt: {out.prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
-    if args.output:
+                print(f"--- prompt: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+    if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
         with open(args.output, "w", encoding="utf-8") as f:
-            for out in outputs:
+            for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:
-                    f.write(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
+                    f.write(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_cached = sum(o.num_cached_tokens for o in outputs)

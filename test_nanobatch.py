@@ -529,6 +529,16 @@ def test_stop_strings_and_stop_token_ids(folder_llm):
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 
+def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_llm):
+    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert tiny == greedy
+    chat = tiny_llm.chat_prompt([{"role": "user", "content": "Hi"}])
+    assert chat["prompt_token_ids"] == tiny_llm.tokenizer.encode(chat["prompt"], add_special_tokens=False)
+    out = tiny_llm.generate([chat], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+    assert out.prompt == chat["prompt"] and out.prompt_token_ids == chat["prompt_token_ids"]
+
+
 def test_eos_ends_the_output(tiny_llm):
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     eos_as = greedy[3]
@@ -584,6 +594,9 @@ def test_abort_frees_blocks_and_reports_once(tiny_llm):
         ("stop_token_ids", [-1], "SamplingParams.stop_token_ids"),
         ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
         ("seed", 1.5, "SamplingParams.seed"),
+        ("seed", -1, "SamplingParams.seed"),
+        ("temperature", float("inf"), "SamplingParams.temperature"),
+        ("top_k", 2**40, "SamplingParams.top_k"),
         ("logprobs", 100, "SamplingParams.logprobs"),
     ],
 )
