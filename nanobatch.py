@@ -824,7 +824,7 @@ def sample(logits, sb: SamplingBatch, engine_generator):
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel-max trick in another form).
     # Seeded rows draw E from their own generator, so their samples do not depend on the rest of the batch.
-    noise = torch.empty_like(probs).exponential_(generator=engine_generator)
+    noise = torch.empty_like(probs).exponential_(generator=engine_generator)  # (S, vocab)
     for row, gen in enumerate(sb.generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
@@ -835,7 +835,7 @@ def sample(logits, sb: SamplingBatch, engine_generator):
 def _apply_top_k_top_p(logits, top_k, top_p):
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, vocab)
     ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]  # top-k: beyond the k best
+    drop = ranks >= top_k[:, None]  # (S, vocab) in sorted order; top-k: beyond the k best
     probs = torch.softmax(sorted_logits.masked_fill(drop, -math.inf), dim=-1)
     drop |= probs.cumsum(dim=-1) - probs > top_p[:, None]  # top-p: the mass before this token already reaches top_p
     sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
@@ -1052,6 +1052,8 @@ class LLM:
         return self._append_tokens(seqs, token_ids.tolist(), logprobs)
 
     def _prepare_inputs(self, batch: ScheduledBatch):
+        """The flat token batch and its BatchMetadata, built as Python lists and copied
+        to the device once. Returns (input_ids, positions, meta, the sequences that sample)."""
         bs = self.config.block_size
         input_ids, positions, slots, seq_lens, starts, logits_indices, sampled = [], [], [], [], [0], [], []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -1074,7 +1076,8 @@ class LLM:
             block_tables=as_tensor(block_tables, torch.int32),
             logits_indices=as_tensor(logits_indices, torch.int64),
         )
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta, sampled
+        input_ids, positions = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (num_tokens,) each
+        return input_ids, positions, meta, sampled
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.perf_counter()

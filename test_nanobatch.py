@@ -352,16 +352,26 @@ TestAllocator.settings = settings(max_examples=60, stateful_step_count=40, deadl
 # ---- Scheduler: property test without a model ----
 
 
-def run_scheduler(config, arrivals, block_size, num_blocks, n=1):
-    """Drive a Scheduler with fake tokens. arrivals: (step, prompt token ids, output length).
-    Checks budgets, FCFS and block ownership in every step; returns the admission order."""
+def run_scheduler(config, arrivals, block_size, num_blocks):
+    """Drive a Scheduler with fake tokens. arrivals: (step, prompt token ids, output length, n).
+    A request with n > 1 forks after its prefill, as the engine does. Checks budgets and block
+    ownership in every step; returns the requests in the order they were first admitted."""
     allocator = BlockAllocator(num_blocks, block_size)
     scheduler = Scheduler(config, allocator)
     seqs, admitted, pending, step = [], [], sorted(arrivals, key=lambda a: a[0]), 0
+
+    def fork_child(parent, index):
+        child = Sequence(1000 + len(seqs), parent.request, list(parent.token_ids), index=index, status=nanobatch.RUNNING)
+        child.num_computed_tokens, child.block_ids, child.block_hashes = parent.num_computed_tokens, list(parent.block_ids), list(parent.block_hashes)
+        parent.request.seqs.append(child)
+        seqs.append(child)
+        return child
+
     while pending or scheduler.has_unfinished():
         while pending and pending[0][0] <= step:
-            _, prompt, out_len = pending.pop(0)
-            request = Request(str(len(seqs)), None, prompt, SamplingParams(max_tokens=out_len, n=n), RequestMetrics(0.0))
+            _, prompt, out_len, n = pending.pop(0)
+            arrival = sum(s.index == 0 for s in seqs)  # request ids count arrivals: 0, 1, 2, ...
+            request = Request(arrival, None, prompt, SamplingParams(max_tokens=out_len, n=n), RequestMetrics(0.0))
             seq = Sequence(len(seqs), request, list(prompt))
             request.seqs.append(seq)
             seqs.append(seq)
@@ -369,14 +379,17 @@ def run_scheduler(config, arrivals, block_size, num_blocks, n=1):
         batch = scheduler.schedule()
         assert batch.num_tokens <= config.max_num_batched_tokens
         assert sum(s.num_seats for s in scheduler.running) <= config.max_num_seqs
-        admitted += [s.seq_id for s in batch.seqs if s.seq_id not in admitted]
+        admitted += [s.request.request_id for s in batch.seqs if s.index == 0 and s.request.request_id not in admitted]
         check_block_ownership(scheduler, allocator)
         scheduler.mark_computed(batch)
         for seq in batch.seqs:
-            if seq.num_computed_tokens == len(seq.token_ids):
-                seq.token_ids.append(seq.seq_id % 5)  # a fake sampled token
-                if len(seq.output_token_ids) == seq.request.params.max_tokens:
-                    scheduler.finish(seq)
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue  # a prefill chunk that does not reach the end samples nothing
+            family = [seq] if seq.request.forked else [seq] + scheduler.fork(seq, seq.request.params.n - 1, fork_child)
+            for member in family:
+                member.token_ids.append((member.seq_id + len(member.token_ids)) % 5)  # a fake sampled token
+                if len(member.output_token_ids) == member.request.params.max_tokens:
+                    scheduler.finish(member)
         step += 1
         assert step < 10_000, "the scheduler stopped making progress"
     assert all(s.status == nanobatch.FINISHED for s in seqs)
@@ -395,7 +408,7 @@ def check_block_ownership(scheduler, allocator):
         assert seq.block_ids == []
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     block_size=st.sampled_from([1, 2, 4, 16]),
@@ -404,21 +417,16 @@ def check_block_ownership(scheduler, allocator):
     prefix_caching=st.booleans(),
 )
 def test_scheduler_properties(data, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching):
-    """Random arrivals, lengths, budgets and pool sizes: every step within budget, FCFS admission,
+    """Random arrivals, lengths, n, budgets and pool sizes: every step within budget, FCFS admission,
     every request finishes, every block back in the pool with ref count 0."""
     shared = [9] * data.draw(st.integers(0, 24))  # a common prefix for some requests
-    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12)), min_size=1, max_size=10))
-    arrivals = [(t, (shared + p) if i % 2 else p, out) for i, (t, p, out) in enumerate(arrivals)]
-    longest = max(len(p) + out for _, p, out in arrivals)
+    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=10))
+    arrivals = [(t, (shared + p) if i % 2 else p, out, min(n, max_num_seqs)) for i, (t, p, out, n) in enumerate(arrivals)]
+    longest = max(len(p) + out for _, p, out, _ in arrivals)
     num_blocks = data.draw(st.integers(-(-longest // block_size), 3 * -(-longest // block_size)))  # a lone request always fits
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching, device="cpu")
     admitted = run_scheduler(config, arrivals, block_size, num_blocks)
-    assert admitted == list(range(len(arrivals))), "first admissions follow arrival order (sequence ids are given on arrival)"
-
-
-def test_scheduler_forks_share_blocks():
-    config = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, device="cpu")
-    run_scheduler(config, [(0, list(range(10)), 5)], 4, 12)  # n = 1 baseline runs through
+    assert admitted == list(range(len(arrivals))), "first admissions follow arrival order"
 
 
 def test_fcfs_admission_and_mid_run_join(tiny_llm):
