@@ -29,11 +29,19 @@ actual one. On a GPU (or with --roofline): the decode roofline, the bytes one de
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default), in fp32.
 
-Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Report | CLI
+--kernels times the paged-attention kernel alone, no model loaded: paged_attention_triton next to torch's
+scaled_dot_product_attention on equal work (the same q, K, V; SDPA reads them dense and contiguous, with
+enable_gqa=True), Qwen3-0.6B's heads (16 query, 8 kv, head_dim 128), block_size 16, shuffled block tables;
+decode 64 sequences x 1024 context and prefill 8 x 512 new tokens (causal) in bf16, timed with CUDA events
+(median), with GB/s of K/V read (decode), TFLOP/s (prefill) and the largest output difference. On a CPU:
+smaller shapes in fp32, with the torch reference (paged_attention_ref) in the Triton kernel's place.
+
+Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Kernels | Report | CLI
 
 Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
+      python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
 """
 
 import argparse
@@ -47,14 +55,19 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import kernels
 import nanobatch
 from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams
 
@@ -540,6 +553,175 @@ def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
     return Roofline(bandwidth / 1e9, batch_size, context_len, weight_bytes, kv_bytes, (weight_bytes + kv_bytes) / bandwidth, measured)
 
 
+# ---- Kernels ----
+# python bench.py --kernels: the paged-attention kernel next to torch's scaled_dot_product_attention (SDPA) on
+# equal work, with no model loaded. Both get the same q, K and V: the kernel reads K/V from a paged cache
+# through shuffled block tables (as in the engine), SDPA from dense contiguous (num_seqs, kv_heads, len,
+# head_dim) tensors with enable_gqa=True, so that both read each kv head once for its group of query heads
+# (K/V repeated per query head would read twice the bytes). Their outputs are compared to show the work is
+# the same. On a CPU the torch reference stands in for Triton, which only runs there interpreted.
+
+# Qwen3-0.6B's attention (the GPU default model's shape)
+KERNEL_HEADS = dict(num_heads=QWEN3_0_6B_SHAPE["num_attention_heads"], num_kv_heads=QWEN3_0_6B_SHAPE["num_key_value_heads"], head_dim=QWEN3_0_6B_SHAPE["head_dim"])
+# (num_seqs, seq_len) by device. decode: one new token per sequence, seq_len keys (it included);
+# prefill: seq_len new tokens per sequence, nothing cached, causal. The CPU shapes keep the mode to seconds.
+KERNEL_SHAPES = {
+    "cuda": dict(decode=(64, 1024), prefill=(8, 512)),
+    "cpu": dict(decode=(8, 256), prefill=(2, 128)),
+}
+KERNEL_WARMUP = 3  # untimed runs first: the first compiles the Triton kernel (and autotunes nothing: one config)
+KERNEL_REPEATS = 30  # timed runs; the median is reported (robust to the odd preempted run)
+L2_FLUSH_BYTES = 256 << 20  # zeroed before every timed CUDA run: more than any GPU's L2, so no run finds K/V left cached
+
+
+@dataclass
+class KernelTiming:
+    kernel: str  # what ran: the paged kernel's name, or "sdpa (backend)"
+    case: str  # "decode" or "prefill"
+    num_seqs: int
+    seq_len: int  # keys of each sequence (cached + new)
+    q_len: int  # new tokens of each sequence: 1 (decode) or seq_len (prefill)
+    ms: float  # median over KERNEL_REPEATS runs
+    kv_bytes: int  # K and V bytes read, each once (q and the output are not counted)
+    flops: int  # of the two matmuls over the causally visible (query, key) pairs
+    sdpa_ms: float  # SDPA's time on the same work
+    max_abs_diff: float | None = None  # the paged kernel's output against SDPA's (None on SDPA's own row)
+    outputs_agree: bool | None = None  # the two outputs allclose within the dtype's tolerance
+    gb_s: float = field(init=False)
+    tflop_s: float = field(init=False)
+    vs_sdpa: float = field(init=False)  # SDPA's time / this time: > 1 is faster than SDPA
+
+    def __post_init__(self):
+        self.gb_s = self.kv_bytes / self.ms / 1e6
+        self.tflop_s = self.flops / self.ms / 1e9
+        self.vs_sdpa = self.sdpa_ms / self.ms
+
+
+def paged_kernel(device):
+    """The paged attention to time: Triton on a GPU; on a CPU the torch reference, since Triton runs there
+    only under TRITON_INTERPRET, in Python, where its times mean nothing."""
+    if device.type != "cuda":
+        return "paged_attention_ref (torch, CPU)", kernels.paged_attention_ref
+    if kernels.TRITON_INTERPRET:
+        raise ValueError("--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU")
+    return "paged_attention_triton", kernels.paged_attention_triton
+
+
+def random_qkv(num_seqs, seq_len, q_len, device, dtype):
+    """Dense q, K, V in the engine's per-token layout; seeded, so every run gets the same values."""
+    torch.manual_seed(0)
+    h, kvh, d = KERNEL_HEADS["num_heads"], KERNEL_HEADS["num_kv_heads"], KERNEL_HEADS["head_dim"]
+    q = torch.randn(num_seqs, q_len, h, d, device=device, dtype=dtype)  # (num_seqs, q_len, num_heads, head_dim)
+    k = torch.randn(num_seqs, seq_len, kvh, d, device=device, dtype=dtype)  # (num_seqs, seq_len, num_kv_heads, head_dim)
+    v = torch.randn_like(k)  # (num_seqs, seq_len, num_kv_heads, head_dim)
+    return q, k, v
+
+
+def paged_kv(k, v, block_size):
+    """The same K/V in a paged cache, each sequence's blocks at shuffled ids (as the engine's free list
+    leaves them after some churn), so that the kernel's gathers are as scattered as in real use."""
+    num_seqs, seq_len, num_kv_heads, head_dim = k.shape
+    blocks_per_seq = math.ceil(seq_len / block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, device=k.device).view(num_seqs, blocks_per_seq).to(torch.int32)  # (num_seqs, blocks_per_seq)
+    pos = torch.arange(seq_len, device=k.device)  # (seq_len,)
+    slots = (block_tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()  # (num_seqs * seq_len,)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)  # (num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.flatten(0, 1)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.flatten(0, 1)
+    return k_cache, v_cache, block_tables
+
+
+def paged_call(kernel, q, k, v, scale):
+    """The paged kernel on the whole batch, called as the engine calls it: q packed to (num_tokens, heads,
+    head_dim), every sequence's keys in the cache already (storing them is not part of the timing)."""
+    num_seqs, q_len, seq_len = q.shape[0], q.shape[1], k.shape[1]
+    k_cache, v_cache, block_tables = paged_kv(k, v, EngineConfig.block_size)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=q.device)  # (num_seqs,)
+    query_start_loc = (torch.arange(num_seqs + 1, device=q.device) * q_len).to(torch.int32)  # (num_seqs + 1,)
+    q_packed = q.flatten(0, 1)  # (num_seqs * q_len, num_heads, head_dim)
+    return lambda: kernel(q_packed, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def sdpa_call(q, k, v, scale):
+    """SDPA on the same batch, pinned to its flash backend, which implements enable_gqa natively (torch's
+    other choices may not); if flash cannot take these inputs (an older GPU, fp32 on a GPU), torch chooses,
+    and the label says so. Returns the label and the call."""
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (num_seqs, heads, len, head_dim), laid out outside the timing
+    # is_causal aligns the mask top-left: right for prefill (q_len == seq_len, nothing cached), but it would
+    # hide all keys but the first from a decode query, which must see them all, so decode has no mask
+    is_causal = q.shape[2] > 1
+
+    def run(backends):
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch explains at length why flash was not eligible
+            run([SDPBackend.FLASH_ATTENTION])
+        return "sdpa (flash)", lambda: run([SDPBackend.FLASH_ATTENTION])
+    except RuntimeError:
+        return "sdpa (torch's choice; flash not eligible)", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+
+
+def median_ms(fn, device):
+    """Milliseconds of fn, median of KERNEL_REPEATS runs after KERNEL_WARMUP untimed ones. CUDA: one pair
+    of events around each run, with L2 flushed before it; the flush keeps the GPU busy while Python queues
+    the call, so the events time the GPU's work, not the launch overhead. CPU: the wall clock."""
+    for _ in range(KERNEL_WARMUP):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(KERNEL_REPEATS):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)  # (L2_FLUSH_BYTES,)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(KERNEL_REPEATS)]
+    torch.cuda.synchronize(device)
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)  # elapsed_time needs both events completed
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def attention_work(num_seqs, seq_len, q_len, element_size):
+    """Bytes of K and V read once, and FLOPs of QK^T and PV (2 per multiply-add) over the causally visible
+    pairs: query t of q_len sees seq_len - q_len + t + 1 keys."""
+    h, kvh, d = KERNEL_HEADS["num_heads"], KERNEL_HEADS["num_kv_heads"], KERNEL_HEADS["head_dim"]
+    kv_bytes = 2 * num_seqs * seq_len * kvh * d * element_size
+    pairs = q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2  # per sequence and head
+    return kv_bytes, 4 * num_seqs * h * d * pairs
+
+
+def time_attention(case, num_seqs, seq_len, device, dtype) -> list[KernelTiming]:
+    """One shape: the paged kernel and SDPA on the same q, K, V; a row for each."""
+    q_len = 1 if case == "decode" else seq_len
+    q, k, v = random_qkv(num_seqs, seq_len, q_len, device, dtype)
+    scale = KERNEL_HEADS["head_dim"] ** -0.5
+    paged_name, kernel = paged_kernel(device)
+    paged = paged_call(kernel, q, k, v, scale)
+    sdpa_name, sdpa = sdpa_call(q, k, v, scale)
+    # SDPA's (num_seqs, heads, q_len, head_dim) to the kernel's packed (num_tokens, heads, head_dim)
+    out, expected = paged().float(), sdpa().transpose(1, 2).flatten(0, 1).float()
+    diff = (out - expected).abs().max().item()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # 16-bit: operands and output rounded (relative, as |out| reaches ~4)
+    agree = torch.allclose(out, expected, rtol=tolerance, atol=tolerance)
+    paged_ms, sdpa_ms = median_ms(paged, device), median_ms(sdpa, device)
+    work = dict(case=case, num_seqs=num_seqs, seq_len=seq_len, q_len=q_len, sdpa_ms=sdpa_ms)
+    kv_bytes, flops = attention_work(num_seqs, seq_len, q_len, q.element_size())
+    return [
+        KernelTiming(paged_name, **work, ms=paged_ms, kv_bytes=kv_bytes, flops=flops, max_abs_diff=diff, outputs_agree=agree),
+        KernelTiming(sdpa_name, **work, ms=sdpa_ms, kv_bytes=kv_bytes, flops=flops),
+    ]
+
+
 # ---- Report ----
 
 
@@ -589,6 +771,21 @@ def format_roofline(r: Roofline):
             f"{r.kv_bytes / 2**20:.0f} MiB live KV per step at {r.copy_bandwidth_gb_s:.0f} GB/s (measured copy) = "
             f"{r.roofline_step_s * 1e3:.2f} ms; measured step {r.measured_step_s * 1e3:.2f} ms "
             f"({r.roofline_step_s / r.measured_step_s:.0%} of the roofline)")
+
+
+def format_kernel_table(timings, device_name, dtype):
+    """Markdown: a row per kernel and shape, decode in GB/s of K/V read, prefill in TFLOP/s."""
+    h = KERNEL_HEADS
+    lines = [f"kernels on {device_name}, {dtype}: {h['num_heads']} query heads, {h['num_kv_heads']} kv heads, head_dim {h['head_dim']}, "
+             f"block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
+             "", "| kernel | shape | ms | GB/s or TFLOP/s | vs SDPA | max abs diff vs SDPA |", "|---|---|---:|---:|---:|---:|"]
+    for t in timings:
+        shape = f"decode {t.num_seqs} x {t.seq_len} context" if t.case == "decode" else f"prefill {t.num_seqs} x {t.seq_len} new, causal"
+        rate = f"{t.gb_s:.1f} GB/s" if t.case == "decode" else f"{t.tflop_s:.2f} TFLOP/s"
+        diff = "-" if t.max_abs_diff is None else f"{t.max_abs_diff:.1e}" + ("" if t.outputs_agree else " (DISAGREE)")
+        lines.append(f"| {t.kernel} | {shape} | {t.ms:.3f} | {rate} | {t.vs_sdpa:.2f}x | {diff} |")
+    lines.append("\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). SDPA reads dense contiguous K/V with enable_gqa=True.")
+    return "\n".join(lines)
 
 
 def write_json(path, machine, workload, results, extra):
@@ -676,6 +873,28 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
     return workload
 
 
+def run_kernels(args, device):
+    """--kernels: the paged-attention kernel against SDPA, and nothing else (no model is loaded)."""
+    machine = machine_info()
+    dtype = nanobatch.DTYPES[args.dtype]
+    device_name = machine["gpu"] or machine["cpu"]
+    timings = []
+    for case, (num_seqs, seq_len) in KERNEL_SHAPES[device.type].items():
+        print(f"timing {case} {num_seqs} x {seq_len} ...", file=sys.stderr, flush=True)
+        timings += time_attention(case, num_seqs, seq_len, device, dtype)
+    print(format_kernel_table(timings, device_name, args.dtype))
+    if device.type != "cuda":
+        print("CPU: the torch reference is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
+              "the issue-3 shapes and the Triton kernel run on a GPU.")
+    if not all(t.outputs_agree for t in timings if t.outputs_agree is not None):
+        print("warning: a paged kernel's output disagrees with SDPA's: the timings are not of equal work", file=sys.stderr)
+    if args.json:
+        kernels_json = {"device": device_name, "dtype": args.dtype, **KERNEL_HEADS, "block_size": EngineConfig.block_size,
+                        "warmup": KERNEL_WARMUP, "repeats": KERNEL_REPEATS, "timings": [asdict(t) for t in timings]}
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "kernels": kernels_json}, f, indent=2)
+
+
 def resolve_model(args):
     if args.model == RANDOM_QWEN3:
         print(f"building {RANDOM_QWEN3} ...", file=sys.stderr, flush=True)
@@ -702,6 +921,8 @@ def build_arg_parser():
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
     p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline (default: on a GPU only)")
+    p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
+                                                           "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -733,6 +954,8 @@ def resolve_args(args):
 
 def main(args):
     device = resolve_args(args)
+    if args.kernels:
+        return run_kernels(args, device)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # transformers' notes on loading and generation flags
