@@ -161,8 +161,9 @@ def _gather_kv(cache, block_table_rows, max_len):
     num_blocks, block_size = cache.shape[:2]
     blocks_needed = (max_len + block_size - 1) // block_size
     ids = block_table_rows[:, :blocks_needed].long().clamp(0, num_blocks - 1)  # unused entries may hold anything
-    dense = cache[ids]  # (num_seqs, blocks_needed, block_size, kv_heads, head_dim)
-    return dense.flatten(1, 2)[:, :max_len]  # (num_seqs, max_len, kv_heads, head_dim)
+    # index_select copies whole blocks, several times faster on CPU than advanced indexing cache[ids]
+    dense = cache.index_select(0, ids.flatten()).view(len(ids), blocks_needed * block_size, *cache.shape[2:])
+    return dense[:, :max_len]  # (num_seqs, max_len, kv_heads, head_dim)
 
 
 def _attend(q, k, v, mask, scale):
