@@ -863,7 +863,6 @@ class EngineStats:
     kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
 
 
-
 class LLM:
     """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
     can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
@@ -1068,7 +1067,10 @@ class LLM:
                 sampled.append(seq)
         max_blocks = max(len(s.block_ids) for s in batch.seqs)
         block_tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.seqs]  # (num_seqs, max_blocks)
-        as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        def as_tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
         meta = BatchMetadata(
             query_start_loc=as_tensor(starts, torch.int32),
             seq_lens=as_tensor(seq_lens, torch.int32),
