@@ -294,14 +294,15 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 # That range holds at least ceil(q_len / BLOCK_Q) blocks (the floor of the end
 # grows by at least floor(q_len / BLOCK_Q), and the "+ s" adds one), and the
 # total, first[num_seqs] = num_tokens // BLOCK_Q + num_seqs, comes from shapes
-# alone: no GPU -> CPU sync, no Python loop over sequences. The block -> sequence
-# map is one torch.searchsorted; a program past its sequence's last query
-# exits at once (at most about one idle program per sequence).
+# alone: no GPU -> CPU sync, no Python loop over sequences. Each program finds
+# its sequence by a binary search over first[] inside the kernel (log2(num_seqs)
+# loads, and no extra launches per layer); a program past its sequence's last
+# query exits at once (at most about one idle program per sequence).
 
 
-# the block-table width changes every step: an int argument that Triton specialises
-# (== 1, % 16 == 0) would compile a new variant whenever it crosses those values
-@triton.jit(do_not_specialize=["stride_bt_seq"])
+# the block-table width and the sequence count change every step: int arguments that Triton
+# specialises (== 1, % 16 == 0) would compile a new variant whenever they cross those values
+@triton.jit(do_not_specialize=["stride_bt_seq", "num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim) output, dtype of q
     q_ptr,  # (num_tokens, num_heads, head_dim) queries of this step's tokens
@@ -310,7 +311,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # (num_seqs, max_blocks_per_seq) int32 block ids; entries past seq_len are never read
     seq_lens_ptr,  # (num_seqs,) int32: cached + new tokens
     query_start_loc_ptr,  # (num_seqs + 1,) int32: sequence s owns q rows [start[s], start[s+1])
-    q_block_seq_ptr,  # (num_q_blocks,) int32: the sequence of each query block (see header)
+    num_seqs,  # sequences in the batch
     qk_scale,  # softmax scale * log2(e): scores live in base 2 so that exp2 does the softmax
     stride_q_tok, stride_q_head,  # q strides (head_dim is contiguous)
     stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
@@ -327,7 +328,16 @@ def _paged_attention_kernel(
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.load(q_block_seq_ptr + q_block)
+    # the sequence of this query block: the last s with first[s] <= q_block (binary search; first[0] = 0)
+    lo = q_block * 0  # an int32 scalar, like hi
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block_in_seq = q_block - (q_start // BLOCK_Q + seq)  # see "Query blocks -> sequences"
@@ -438,15 +448,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     block_m, block_q, tile_n = _launch_config(num_tokens, num_seqs, group, head_dim_padded)
 
-    # query block -> sequence (see the header above the kernel)
-    first = query_start_loc // block_q + torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # (num_seqs + 1,)
-    num_q_blocks = num_tokens // block_q + num_seqs
-    q_blocks = torch.arange(num_q_blocks, dtype=torch.int32, device=q.device)  # (num_q_blocks,)
-    q_block_seq = (torch.searchsorted(first, q_blocks, right=True) - 1).to(torch.int32)  # (num_q_blocks,)
+    num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound from shapes alone (see the header above the kernel)
 
     with _on_device(q):
         _paged_attention_kernel[(num_q_blocks, num_kv_heads)](
-            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, q_block_seq,
+            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
             scale * 1.4426950408889634,  # log2(e)
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -1084,7 +1084,7 @@ def build(fn, pointer_dtype, consts, num_warps):
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
-INT_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "q_block_seq_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+INT_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
 for dtype, group, head_dim, block_size, num_tokens in [("fp16", 4, 128, 16, 9), ("fp16", 4, 128, 16, 8), ("bf16", 7, 64, 1, 9), ("fp32", 1, 24, 256, 9)]:
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     block_m, block_q, tile_n = kernels._launch_config(num_tokens, 8, group, head_dim_padded)
