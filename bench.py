@@ -287,17 +287,13 @@ def measure(name, run_fn, workload, warmup, device) -> tuple[SystemResult, Run]:
     if memory.peak_bytes is not None:
         result.peak_memory_bytes = memory.peak_bytes + run.extra_memory_bytes
     if run.ttfts:
-        result.ttft_mean_s, result.ttft_p99_s = mean(run.ttfts), percentile(run.ttfts, 99)
+        result.ttft_mean_s, result.ttft_p99_s = statistics.mean(run.ttfts), percentile(run.ttfts, 99)
     if run.tpots:
-        result.tpot_mean_s = mean(run.tpots)
+        result.tpot_mean_s = statistics.mean(run.tpots)
     if run.num_cached_tokens is not None:
         result.prefix_hit_rate = run.num_cached_tokens / workload.num_prompt_tokens
     print(f"[{name}] {result.seconds:.1f} s", file=sys.stderr, flush=True)
     return result, run
-
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 def percentile(xs, q):

@@ -306,7 +306,7 @@ class BlockAllocator:
     def hash_block(parent_key, token_ids):
         return hash((parent_key, tuple(token_ids)))
 
-    def lookup(self, key, parent_key, token_ids):
+    def share_cached(self, key, parent_key, token_ids):
         """The cached block holding these tokens after this parent, shared; or None."""
         block_id = self.cached.get(key)
         if block_id is None or self.block_keys[block_id] != (key, parent_key, tuple(token_ids)):
@@ -429,7 +429,7 @@ class Scheduler:
         bs = self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
             parent = seq.block_hashes[i - 1] if i else None
-            block_id = self.allocator.lookup(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block_id = self.allocator.share_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
             seq.block_ids.append(block_id)

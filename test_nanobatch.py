@@ -324,7 +324,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         key = BlockAllocator.hash_block(None, tokens)
         if blocks and self.allocator.block_keys[blocks[-1]] is None:  # a block is registered once, when it fills up
             self.allocator.register(blocks[-1], key, None, tokens)
-        hit = self.allocator.lookup(key, None, tokens)
+        hit = self.allocator.share_cached(key, None, tokens)
         return self._new([hit] if hit is not None else [])
 
     @invariant()
