@@ -23,6 +23,7 @@ Block allocator | Scheduler | Model | Loading | Sampler | Engine | Server | CLI
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
+      python nanobatch.py --serve --port 8000                  (vLLM's /generate, OpenAI /v1/...)
 API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quick-start)
 """
 
