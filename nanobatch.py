@@ -787,10 +787,10 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would 
 class SamplingBatch:
     """The sampling parameters of one step's sampled rows, as tensors (one row per sequence)."""
 
-    temperature: torch.Tensor  # (S,) float, 0 = greedy
-    top_k: torch.Tensor  # (S,) int64, vocab size = off
-    top_p: torch.Tensor  # (S,) float
-    min_p: torch.Tensor  # (S,) float
+    temperature: torch.Tensor | None  # (S,) float, 0 = greedy; the four columns are None when all rows are greedy
+    top_k: torch.Tensor | None  # (S,) int64, vocab size = off
+    top_p: torch.Tensor | None  # (S,) float
+    min_p: torch.Tensor | None  # (S,) float
     generators: list  # (S,) torch.Generator or None (then the engine's generator is used)
     max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
     all_greedy: bool
@@ -799,14 +799,19 @@ class SamplingBatch:
     def from_seqs(cls, seqs, vocab_size, device):
         params = [s.request.params for s in seqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
+
+        def column(values, dtype):  # an all-greedy batch needs none of them: no host-to-device copies
+            return None if all_greedy else torch.tensor(values, dtype=dtype, device=device)
+
         return cls(
-            temperature=torch.tensor([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperature=column([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params], torch.float32),
+            top_k=column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
             generators=[s.generator for s in seqs],
             max_logprobs=max(wanted) if wanted else None,
-            all_greedy=all(p.temperature < GREEDY_BELOW for p in params),
+            all_greedy=all_greedy,
         )
 
 
