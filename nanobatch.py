@@ -1154,15 +1154,14 @@ class LLM:
         return True
 
     def _make_output(self, request: Request) -> RequestOutput:
-        if request.finished() and request.metrics.finished_time is None:
-            request.metrics.finished_time = time.perf_counter()
+        finished = request.finished()
+        if finished:
+            request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
+            del self.requests[request.request_id]  # it ends exactly once: no later output
         completions = [
             CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.logprobs, s.cumulative_logprob if s.logprobs is not None else None)
             for s in request.seqs
         ]
-        finished = request.finished()
-        if finished:
-            del self.requests[request.request_id]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics)
 
     def _collect_aborted(self):
