@@ -892,6 +892,7 @@ class SamplingBatch:
     plain: list[int]  # indices into R of the rows with neither top-k nor top-p: they sample from the whole row, unsorted
     filtered: list[int]  # indices into R of the rows with top-k or top-p: they sample from their best tokens, sorted
     num_candidates: int  # how many best tokens the filtered rows look at first (vocab size: a full sort)
+    may_undecide: bool  # some row has top-p without top-k and looks at fewer than all tokens (CPU only)
     generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
     max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
     all_greedy: bool
@@ -922,6 +923,7 @@ class SamplingBatch:
             plain=sorted(set(range(len(ps))) - set(filtered)),
             filtered=filtered,
             num_candidates=num_candidates,
+            may_undecide=top_p_only and num_candidates < vocab_size,
             generators=[seqs[i].generator for i in sampling],
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=not sampling,
@@ -952,7 +954,7 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     if sb.filtered:
         j = torch.tensor(sb.filtered, device=x.device)
         tokens_j, undecided = _sample_best(x[j], sb.num_candidates, sb.top_k[j], sb.top_p[j], sb.min_p[j], u[j])
-        if sb.num_candidates < x.shape[1] and bool(undecided.any()):  # CPU only (see from_seqs): no device to sync with
+        if sb.may_undecide and bool(undecided.any()):  # CPU only (see from_seqs): no device to sync with
             k = j[undecided]
             tokens_j[undecided] = _sample_best(x[k], x.shape[1], sb.top_k[k], sb.top_p[k], sb.min_p[k], u[k])[0]
         sampled[j] = tokens_j
