@@ -1606,16 +1606,16 @@ def request_models():
     class Generate(Sampling):
         model_config = ConfigDict(extra="forbid")
         prompt: str
-        stream: bool = False
+        stream: bool | None = None
         logprobs: int | None = None
         use_beam_search: bool = False
 
     class StreamOptions(Body):
-        include_usage: bool = False
+        include_usage: bool | None = None
 
     class OpenAI(Sampling):
         model: str | None = None  # None: the served model
-        stream: bool = False
+        stream: bool | None = None  # None (null or absent) is false here and below: some clients send every field
         stream_options: StreamOptions | None = None
         # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
         use_beam_search: Any = None
@@ -1628,7 +1628,7 @@ def request_models():
 
     class Completion(OpenAI):
         prompt: Prompt
-        echo: bool = False
+        echo: bool | None = None
         logprobs: int | None = None
         suffix: Any = None
         best_of: int | None = None
@@ -1647,7 +1647,7 @@ def request_models():
 
     class Chat(OpenAI):
         messages: list[Message] = Field(min_length=1)
-        logprobs: bool = False
+        logprobs: bool | None = None
         top_logprobs: int | None = None
         max_completion_tokens: int | None = None
         tools: Any = None
@@ -1675,16 +1675,11 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
     "best_of": (lambda v, body: v is not None and v > (body.n or 1), "nanobatch has no best-of ranking; ask for n samples"),
     "use_beam_search": (lambda v, body: bool(v), "nanobatch has no beam search (ask for n samples instead)"),
-    "tools": (lambda v, body: bool(v), "tool calling is not implemented"),
-    "functions": (lambda v, body: bool(v), "tool calling is not implemented"),
-    "tool_choice": (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented"),
-    "function_call": (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented"),
+    **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
+    **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
     "response_format": (lambda v, body: v not in (None, {"type": "text"}), "structured outputs are not implemented"),
-    "structured_outputs": (lambda v, body: v is not None, "structured outputs are not implemented"),
-    "guided_json": (lambda v, body: v is not None, "structured outputs are not implemented"),
-    "guided_regex": (lambda v, body: v is not None, "structured outputs are not implemented"),
-    "guided_choice": (lambda v, body: v is not None, "structured outputs are not implemented"),
-    "guided_grammar": (lambda v, body: v is not None, "structured outputs are not implemented"),
+    **{name: (lambda v, body: v is not None, "structured outputs are not implemented")
+       for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
 }
 
 
@@ -2087,21 +2082,21 @@ def build_app(server):
     async def generate(request: Request):
         body = reject_unsupported(await read_json(request, models.Generate))
         params = body.sampling_params(logprobs=body.logprobs)
-        return await respond(request, Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params), GenerateFormat(params), body.stream)
+        return await respond(request, Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params), GenerateFormat(params), bool(body.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = reject_unsupported(check_model(await read_json(request, models.Completion)))
         one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
         prompts = [body.prompt] if one else body.prompt
-        prompt_only = body.echo and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
+        prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
         k = body.logprobs
         prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
         params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, body.echo, prompt_only, body.prompt_logprobs is not None)
-        return await respond(request, Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params), fmt, body.stream)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, body.prompt_logprobs is not None)
+        return await respond(request, Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params), fmt, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -2111,10 +2106,10 @@ def build_app(server):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
         params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, include_usage, prompt_logprobs=body.prompt_logprobs is not None)
         sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
-        return await respond(request, sub, fmt, body.stream)
+        return await respond(request, sub, fmt, bool(body.stream))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -2231,9 +2226,9 @@ class Server:
         self.model_path = os.path.normpath(llm.config.model or default_model_path())
         self.model_name = config.served_model_name or served_model_name(llm)
         self.max_model_len, self.created = llm.max_model_len, int(time.time())
+        self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
         self.metrics = ServerMetrics(self.model_name)
         self.engine = EngineLoop(llm, self.metrics)
-        self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
         self.uvicorn = uvicorn.Server(uvicorn.Config(
             build_app(self), http=http_protocol(), ws="none", lifespan="off", log_config=log_config, backlog=128,
             limit_concurrency=config.limit_concurrency, timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
