@@ -1745,6 +1745,11 @@ def test_batched_prompts_via_openai_client(server):
     streamed = list(client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True))
     texts = ["".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i) for i in range(3)]
     assert texts == singles
+    status, body = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})  # vLLM's extra field
+    for choice in body["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
+    assert sum(len(c["prompt_logprobs"]) for c in body["choices"]) == body["usage"]["prompt_tokens"]
 
 
 def test_wrong_model_gets_404(server_model_dir):
