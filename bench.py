@@ -6,6 +6,8 @@ number of output tokens for each request (greedy, EOS ignored), so output
 tokens per second compare like with like:
 
     nanobatch                   continuous batching over the paged KV cache: one llm.generate over all requests
+    nanobatch-sampled           the same requests sampled with the seed quick-start's temperature=0.8, top_p=0.95
+                                (same output lengths: what sampling costs next to greedy)
     nanobatch-static            static batching through the same engine and model: consecutive batches of
                                 max_num_seqs requests, each running until its longest request ends
     nanobatch-no-prefix-cache   nanobatch with enable_prefix_caching=False (the shared-prefix workload)
@@ -73,9 +75,9 @@ from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-static", "nanobatch-no-prefix-cache", "hf-generate", "hf-generate-batch"]
+SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "hf-generate", "hf-generate-batch"]
 DEFAULT_SYSTEMS = {
-    "random": ["nanobatch", "nanobatch-static", "hf-generate", "hf-generate-batch"],
+    "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
@@ -314,6 +316,11 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def sampled(n):
+    """The seed quick-start's sampling parameters, with the same exact output length as greedy(n)."""
+    return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True)
+
+
 def load_nanobatch(model_path, args):
     # the KV pool is allocated (and zeroed, so resident) here, before any run: PeakMemory does not see it,
     # engine_run counts the blocks a run held at its peak instead
@@ -330,11 +337,11 @@ def begin_engine_run(llm, prefix_caching=True):
     llm.stats = EngineStats()  # the engine's counters add up over its lifetime: count this run only
 
 
-def run_nanobatch(llm, workload, prefix_caching=True) -> Run:
+def run_nanobatch(llm, workload, prefix_caching=True, params=greedy) -> Run:
     """Continuous batching: every request is queued at once; the engine admits them as room frees up."""
     begin_engine_run(llm, prefix_caching)
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, [greedy(n) for n in workload.output_lens], use_tqdm=False)
+    outputs = llm.generate(workload.prompts, [params(n) for n in workload.output_lens], use_tqdm=False)
     seconds = time.perf_counter() - start
     return engine_run(llm, outputs, seconds, start)
 
@@ -727,7 +734,8 @@ def mark_same_outputs(results, runs):
     numerical differences between implementations)."""
     reference = runs[0].output_ids
     for result, run in zip(results, runs):
-        result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, reference))
+        if not result.name.endswith("-sampled"):  # sampled outputs differ from greedy by design
+            result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, reference))
 
 
 def cell(x, width, spec, scale=1, suffix=""):
@@ -821,6 +829,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size)
     runners = {
         "nanobatch": lambda wl: run_nanobatch(llm, wl),
+        "nanobatch-sampled": lambda wl: run_nanobatch(llm, wl, params=sampled),
         "nanobatch-static": lambda wl: run_nanobatch_static(llm, wl),
         "nanobatch-no-prefix-cache": lambda wl: run_nanobatch(llm, wl, prefix_caching=False),
     }

@@ -29,6 +29,7 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import glob
 import importlib.util
@@ -123,6 +124,15 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
     seed: int | None = None  # makes this request's samples reproducible whatever else is in the batch
     logprobs: int | None = None  # return the sampled token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # return each prompt token's log-probability and this many top alternatives
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
+    skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
+    output_kind: str = "cumulative"  # what step() returns per request: "cumulative", "delta" (new tokens only), "final_only"
 
     def __post_init__(self):
         def bad(name, rule):
@@ -149,14 +159,33 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
             bad("seed", "must be an integer from 0 to 2**63 - 1, or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer from 0 to 20 or None")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "must be an integer from 0 to 20 or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), number) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be a number from -2 to 2")
+        if not isinstance(self.repetition_penalty, number) or not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0 (1 means none)")
+        self.logit_bias = dict(self.logit_bias or {})
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, number) and math.isfinite(b) for t, b in self.logit_bias.items()):
+            bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0 or self.min_tokens > (self.max_tokens or math.inf):
+            bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            bad("output_kind", "must be 'cumulative', 'delta' or 'final_only'")
         if self.top_k == -1:
             self.top_k = 0
+
+    @property
+    def has_penalties(self):
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -196,6 +225,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token, None for the first
 
 
 # ---- Requests and sequences ----
@@ -208,10 +238,12 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # the caller's params, copied: changing theirs later changes nothing here
     metrics: RequestMetrics
     seqs: list["Sequence"] = field(default_factory=list)  # the n samples; one until the prompt is prefilled
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at the first admission
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: [None, entry for token 1, ...], filled as the prompt is computed
+    prompt_mask: torch.Tensor | None = None  # (vocab,) bool: tokens in the prompt, for repetition_penalty (built once, when first needed)
 
     @property
     def forked(self):
@@ -233,23 +265,28 @@ class Sequence:
     status: str = WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block, chained
+    block_hashes: list = field(default_factory=list)  # prefix-cache key of each full block, chained
+    num_synced_blocks: int = 0  # block_ids[:this] are already in the engine's persistent block table (see BlockTables)
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
-    # output text, detokenized incrementally (see LLM._detokenize)
+    detokenizer: object = None  # a tokenizers DecodeStream: output text grows by whole characters, O(1) per token
     text: str = ""
-    prefix_offset: int = 0  # token_ids[prefix_offset:read_offset]: context decoded again for the next characters
-    read_offset: int = 0  # tokens up to here are in text
+    num_detokenized: int = 0  # output tokens whose characters are in text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list | None = None
+    logprobs: list | None = None  # one {token id: Logprob} per output token, appended
     cumulative_logprob: float = 0.0
+    output_counts: torch.Tensor | None = None  # (vocab,) int32 occurrences of each output token, for penalties; kept incrementally
 
     @property
     def num_prompt_tokens(self):
         return len(self.request.prompt_token_ids)
 
     @property
-    def output_token_ids(self):
+    def num_output_tokens(self):
+        return len(self.token_ids) - len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self):  # a copy: O(length), for outputs, not for per-token checks
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
@@ -275,6 +312,8 @@ class BlockAllocator:
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self.block_keys = [None] * num_blocks  # (key, parent key, token ids) of a registered full block
         self.cached = {}  # key -> block id
+        self.num_filled = [0] * num_blocks  # token slots of each block holding K/V (kept while it sits cached in the free list)
+        self.num_filled_slots = 0  # over the blocks in use, each counted once however many hold it: kept incrementally
 
     @property
     def num_free_blocks(self):
@@ -290,12 +329,13 @@ class BlockAllocator:
             if self.cached.get(key) == block_id:
                 del self.cached[key]
             self.block_keys[block_id] = None
-        self.ref_counts[block_id] = 1
+        self.ref_counts[block_id], self.num_filled[block_id] = 1, 0
         return block_id
 
     def share(self, block_id):
-        if self.ref_counts[block_id] == 0:
+        if self.ref_counts[block_id] == 0:  # a cached free block comes back into use, contents and all
             del self.free_ids[block_id]
+            self.num_filled_slots += self.num_filled[block_id]
         self.ref_counts[block_id] += 1
 
     def free(self, block_ids):
@@ -305,6 +345,12 @@ class BlockAllocator:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_ids[block_id] = None
+                self.num_filled_slots -= self.num_filled[block_id]
+
+    def fill(self, block_id, num_tokens):
+        """K/V now fill the first num_tokens slots of this (in-use) block."""
+        self.num_filled_slots += num_tokens - self.num_filled[block_id]
+        self.num_filled[block_id] = num_tokens
 
     @staticmethod
     def hash_block(parent_key, token_ids):
@@ -427,8 +473,8 @@ class Scheduler:
         """Serve the sequence's leading full blocks from the prefix cache. The last
         token is always computed (it must produce logits), so at most
         (len - 1) // block_size blocks come from the cache."""
-        if not self.config.enable_prefix_caching:
-            return 0
+        if not self.config.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need the logits of every prompt position: nothing may come from the cache
         self._hash_full_blocks(seq, len(seq.token_ids))
         bs = self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
@@ -484,6 +530,8 @@ class Scheduler:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             before = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
+            for i in range(before // bs, -(-seq.num_computed_tokens // bs)):  # the blocks written this step
+                self.allocator.fill(seq.block_ids[i], min(bs, seq.num_computed_tokens - i * bs))
             if not self.config.enable_prefix_caching:
                 continue
             self._hash_full_blocks(seq, seq.num_computed_tokens)
@@ -784,17 +832,70 @@ def _load_gguf_weights(path, gguf):
 # ---- Sampler ----
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would overflow to inf, then NaN)
+TOP_P_CANDIDATES = 256  # top-p looks among this many best tokens first (a partial sort); rows they cannot decide get a full sort
+
+
+def apply_penalties(logits, seqs, eos_token_ids):
+    """min_tokens, logit_bias, then repetition / frequency / presence penalties (vLLM's order),
+    in place on the rows whose request asks for them: rows that use none cost nothing.
+    logits (S, vocab) fp32, one row per sequence."""
+    penalized = []
+    for row, seq in enumerate(seqs):
+        p = seq.request.params
+        if seq.num_output_tokens < p.min_tokens:  # nothing may end the output yet
+            stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
+            logits[row, stops] = -math.inf
+        if p.logit_bias:
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if p.has_penalties:
+            penalized.append(row)
+    if not penalized:
+        return logits
+    rows = torch.tensor(penalized, device=logits.device)
+    params = [seqs[r].request.params for r in penalized]
+
+    def column(name):  # (R, 1)
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=logits.device)[:, None]
+
+    counts = torch.stack([_output_counts(seqs[r], logits) for r in penalized])  # (R, vocab)
+    in_prompt = torch.stack([_prompt_mask(seqs[r].request, logits) for r in penalized])  # (R, vocab)
+    x = logits[rows]
+    rep = column("repetition_penalty")
+    x = torch.where(in_prompt | (counts > 0), torch.where(x > 0, x / rep, x * rep), x)  # repetition: over prompt and output
+    x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)  # these two: over the output only
+    logits[rows] = x
+    return logits
+
+
+def _output_counts(seq, logits):
+    if seq.output_counts is None:  # built once from the tokens so far, then kept up to date by LLM._append_tokens
+        ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+        seq.output_counts = torch.bincount(ids, minlength=logits.shape[1]).to(torch.int32)  # (vocab,)
+    return seq.output_counts
+
+
+def _prompt_mask(request, logits):
+    if request.prompt_mask is None:
+        request.prompt_mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # (vocab,)
+        request.prompt_mask[request.prompt_token_ids] = True
+    return request.prompt_mask
 
 
 @dataclass
 class SamplingBatch:
-    """The sampling parameters of one step's sampled rows, as tensors (one row per sequence)."""
+    """One step's sampling parameters. Python values decide what work the step needs
+    (no device-to-host sync); tensors hold one entry per row that samples (temperature > 0):
+    greedy rows need nothing but an argmax."""
 
-    temperature: torch.Tensor | None  # (S,) float, 0 = greedy; the four columns are None when all rows are greedy
-    top_k: torch.Tensor | None  # (S,) int64, vocab size = off
-    top_p: torch.Tensor | None  # (S,) float
-    min_p: torch.Tensor | None  # (S,) float
-    generators: list  # (S,) torch.Generator or None (then the engine's generator is used)
+    rows: torch.Tensor | None  # (R,) int64: the rows that sample; None when every row is greedy
+    temperature: torch.Tensor | None  # (R,) float
+    top_k: torch.Tensor | None  # (R,) int64, vocab size = off
+    top_p: torch.Tensor | None  # (R,) float, 1 = off
+    min_p: torch.Tensor | None  # (R,) float, 0 = off
+    plain: list[int]  # indices into R of the rows with neither top-k nor top-p: they sample from the whole row, unsorted
+    filtered: list[int]  # indices into R of the rows with top-k or top-p: they sample from their best tokens, sorted
+    num_candidates: int  # how many best tokens the filtered rows look at first (vocab size: a full sort)
+    generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
     max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
     all_greedy: bool
 
@@ -802,58 +903,102 @@ class SamplingBatch:
     def from_seqs(cls, seqs, vocab_size, device):
         params = [s.request.params for s in seqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(p.temperature < GREEDY_BELOW for p in params)
+        sampling = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+        ps = [params[i] for i in sampling]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
+        filtered = [j for j, p in enumerate(ps) if top_k[j] < vocab_size or p.top_p < 1]
+        # top-k needs its k best; top-p alone (no top-k) starts from TOP_P_CANDIDATES, except on a GPU, where
+        # checking whether they decide it would be a sync: sort the whole row there (fast on a GPU)
+        top_p_only = any(top_k[j] == vocab_size for j in filtered)
+        candidates = vocab_size if device.type != "cpu" else TOP_P_CANDIDATES
+        num_candidates = min(vocab_size, max([top_k[j] for j in filtered if top_k[j] < vocab_size] + [candidates if top_p_only else 1]))
 
-        def column(values, dtype):  # an all-greedy batch needs none of them: no host-to-device copies
-            return None if all_greedy else torch.tensor(values, dtype=dtype, device=device)
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device) if sampling else None
 
         return cls(
-            temperature=column([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params], torch.float32),
-            top_k=column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            generators=[s.generator for s in seqs],
+            rows=column(sampling, torch.int64),
+            temperature=column([p.temperature for p in ps], torch.float32),
+            top_k=column(top_k, torch.int64),
+            top_p=column([p.top_p for p in ps], torch.float32),
+            min_p=column([p.min_p for p in ps], torch.float32),
+            plain=sorted(set(range(len(ps))) - set(filtered)),
+            filtered=filtered,
+            num_candidates=num_candidates,
+            generators=[seqs[i].generator for i in sampling],
             max_logprobs=max(wanted) if wanted else None,
-            all_greedy=all_greedy,
+            all_greedy=not sampling,
         )
 
 
 def sample(logits, sb: SamplingBatch, engine_generator):
     """Greedy, temperature, top-k, top-p and min-p over the whole batch at once.
-    logits (S, vocab) fp32 -> token ids (S,) int64."""
+    logits (S, vocab) fp32 -> token ids (S,) int64.
+
+    A row that samples draws one uniform number u and takes the token where the
+    cumulative probability of its kept tokens passes u (inverse-CDF sampling): one
+    random number per row, not one per vocabulary entry. Seeded rows draw u from
+    their own generator, so their samples do not depend on the rest of the batch."""
+    tokens = logits.argmax(dim=-1)  # (S,): the greedy rows' tokens
     if sb.all_greedy:
-        return logits.argmax(dim=-1)
-    greedy = sb.temperature == 0
-    temperature = torch.where(greedy, 1.0, sb.temperature)
-    logits = logits / temperature[:, None]
-    if bool((sb.top_k < logits.shape[1]).any() | (sb.top_p < 1).any()):
-        logits = _apply_top_k_top_p(logits, sb.top_k, sb.top_p)
-    probs = torch.softmax(logits, dim=-1)  # (S, vocab)
-    if bool((sb.min_p > 0).any()):
-        probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel-max trick in another form).
-    # Seeded rows draw E from their own generator, so their samples do not depend on the rest of the batch.
-    noise = torch.empty_like(probs).exponential_(generator=engine_generator)  # (S, vocab)
-    for row, gen in enumerate(sb.generators):
+        return tokens
+    x = logits[sb.rows] / sb.temperature[:, None]  # (R, vocab)
+    u = torch.rand(len(sb.generators), generator=engine_generator, device=x.device)  # (R,)
+    for j, gen in enumerate(sb.generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+            u[j] = torch.rand((), generator=gen, device=x.device)
+    sampled = torch.empty(len(sb.generators), dtype=torch.int64, device=x.device)  # (R,)
+    if sb.plain:  # the whole distribution, in vocabulary order (no sort needed)
+        j = torch.tensor(sb.plain, device=x.device)
+        probs = _min_p(torch.softmax(x[j], dim=-1), sb.min_p[j])
+        sampled[j] = _draw(probs, u[j])
+    if sb.filtered:
+        j = torch.tensor(sb.filtered, device=x.device)
+        tokens_j, undecided = _sample_best(x[j], sb.num_candidates, sb.top_k[j], sb.top_p[j], sb.min_p[j], u[j])
+        if sb.num_candidates < x.shape[1] and bool(undecided.any()):  # CPU only (see from_seqs): no device to sync with
+            k = j[undecided]
+            tokens_j[undecided] = _sample_best(x[k], x.shape[1], sb.top_k[k], sb.top_p[k], sb.min_p[k], u[k])[0]
+        sampled[j] = tokens_j
+    tokens[sb.rows] = sampled
+    return tokens
 
 
-def _apply_top_k_top_p(logits, top_k, top_p):
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (S, vocab)
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]  # (S, vocab) in sorted order; top-k: beyond the k best
-    probs = torch.softmax(sorted_logits.masked_fill(drop, -math.inf), dim=-1)
-    drop |= probs.cumsum(dim=-1) - probs > top_p[:, None]  # top-p: the mass before this token already reaches top_p
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _sample_best(x, num_candidates, top_k, top_p, min_p, u):
+    """Top-k, then top-p on what top-k keeps, then min-p, among each row's num_candidates best
+    tokens (a partial sort). Returns (token ids (R,), undecided (R,) bool): rows without top-k
+    whose candidates hold no more than top_p of the mass, so that the tokens past them could
+    be kept too; their token must come from a full sort."""
+    if num_candidates < x.shape[1]:
+        values, ids = x.topk(num_candidates, dim=-1)  # (R, K), best first
+    else:
+        values, ids = x.sort(dim=-1, descending=True)
+    keep = torch.arange(values.shape[1], device=x.device)[None, :] < top_k[:, None]  # top-k: (R, K)
+    # normalise over what top-k keeps; with top-k off, over the whole row (the candidates are only its head)
+    top_k_on = top_k < x.shape[1]
+    log_norm = torch.where(top_k_on, torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1), torch.logsumexp(x, dim=-1))
+    probs = torch.exp(values - log_norm[:, None]) * keep  # (R, K)
+    keep &= probs.cumsum(dim=-1) - probs <= top_p[:, None]  # top-p: the mass before this token has not reached top_p
+    undecided = ~top_k_on & (probs.sum(dim=-1) <= top_p)
+    probs = _min_p(probs * keep, min_p)
+    return ids.gather(1, _draw(probs, u)[:, None])[:, 0], undecided
+
+
+def _min_p(probs, min_p):
+    # drop tokens less likely than min_p times the most likely one (a ratio: normalisation does not matter)
+    return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+
+
+def _draw(probs, u):
+    """Inverse-CDF draw: per row, the first token whose cumulative probability exceeds u times
+    the row's total (tokens of probability 0 are never picked). probs (R, K), u (R,) -> (R,)."""
+    cdf = probs.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return index.clamp_(max=probs.shape[1] - 1)
 
 
 def compute_logprobs(logits, token_ids, num_top):
-    """Log-probabilities of the sampled tokens, their ranks, and the num_top best alternatives,
-    as Python lists (one device-to-host copy per step): (chosen, ranks, top values, top ids)."""
+    """Log-probabilities of the chosen tokens, their ranks, and the num_top best alternatives,
+    as Python lists (one device-to-host copy): (chosen, ranks, top values, top ids)."""
     logprobs = torch.log_softmax(logits, dim=-1)  # (S, vocab)
     chosen = logprobs.gather(1, token_ids[:, None])  # (S, 1)
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # (S,)
@@ -872,6 +1017,35 @@ class EngineStats:
     kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
 
 
+class BlockTables:
+    """The block tables of the running sequences, kept in one persistent host tensor
+    (pinned on CUDA): each running sequence owns a row, each step writes only the block
+    ids that changed (new blocks, a copy-on-write replacement), and the batch's rows are
+    gathered with one index op. No per-step rebuild from nested lists."""
+
+    def __init__(self, num_rows, max_blocks_per_seq, device):
+        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
+        self.free_rows = list(range(num_rows))
+        self.row_of = {}  # running sequence -> its row
+
+    def rows(self, seqs, block_size):
+        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
+        for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
+            self.free_rows.append(self.row_of.pop(seq))
+        rows = []
+        for seq in seqs:
+            if seq not in self.row_of:
+                self.row_of[seq], seq.num_synced_blocks = self.free_rows.pop(), 0
+            row = self.row_of[seq]
+            # the block being written may have been swapped by copy-on-write; the ones after it are new
+            first = min(seq.num_synced_blocks, seq.num_computed_tokens // block_size)
+            if first < len(seq.block_ids):
+                self.table[row, first : len(seq.block_ids)] = torch.tensor(seq.block_ids[first:], dtype=torch.int32)
+            seq.num_synced_blocks = len(seq.block_ids)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
+
+
 class LLM:
     """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
     can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
@@ -887,6 +1061,8 @@ class LLM:
         self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.allocator)
+        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size), self.device)
+        self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
@@ -942,19 +1118,24 @@ class LLM:
         Raises ValueError (naming the problem) for input that can never run."""
         return self._enqueue(*self._validate(prompt, params), request_id)
 
-    def _validate(self, prompt, params):
+    def _validate(self, prompt, params, **change):
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params, **change)  # a copy (its lists too), as vLLM: the caller may reuse or change theirs
         text, token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
         return text, token_ids, params
 
     def _enqueue(self, text, token_ids, params, request_id=None):
-        request_id = str(next(self.request_counter)) if request_id is None else str(request_id)
+        if request_id is None:  # the next number no request holds (add_request may have taken "7" by hand)
+            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         seq = self._new_seq(request, list(token_ids), index=0)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -1003,7 +1184,6 @@ class LLM:
         # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
         generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
         seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
-        seq.prefix_offset = seq.read_offset = len(token_ids)  # detokenize only what comes after this
         request.seqs.append(seq)
         return seq
 
@@ -1033,6 +1213,7 @@ class LLM:
 
     # -- one step --
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once over the packed batch, sample, and return an
         output for every request that got a token (or finished) in this step."""
@@ -1042,9 +1223,12 @@ class LLM:
             return self._collect_aborted()
         for src, dst in batch.block_copies:  # copy-on-write, over every layer's K and V
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
-        input_ids, positions, meta, sampled_seqs = self._prepare_inputs(batch)
-        logits = self.model(input_ids, positions, self.layer_caches, meta)  # (num_sampled, vocab)
+        input_ids, positions, meta, sampled_seqs, prompt_spans = self._prepare_inputs(batch)
+        logits = self.model(input_ids, positions, self.layer_caches, meta)  # (num_sampled + prompt-logprob rows, vocab)
         self.scheduler.mark_computed(batch)
+        if prompt_spans:
+            self._record_prompt_logprobs(logits[len(sampled_seqs) :], prompt_spans)
+            logits = logits[: len(sampled_seqs)]
         # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
         rows, seqs = [], []
         for row, seq in enumerate(sampled_seqs):
@@ -1055,50 +1239,97 @@ class LLM:
             seqs += family
         logits = logits[rows] if len(rows) != len(sampled_seqs) else logits  # (num_samples, vocab)
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
-        token_ids = sample(logits, sb, self.generator)  # (num_samples,)
-        logprobs = compute_logprobs(logits, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
+        # logprobs are the model's own (vLLM's default): taken before penalties, bias and temperature
+        raw = logits.clone() if sb.max_logprobs is not None else logits
+        token_ids = sample(apply_penalties(logits, seqs, self.eos_token_ids), sb, self.generator)  # (num_samples,)
+        logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
         return self._append_tokens(seqs, token_ids.tolist(), logprobs)
 
     def _prepare_inputs(self, batch: ScheduledBatch):
-        """The flat token batch and its BatchMetadata, built as Python lists and copied
-        to the device once. Returns (input_ids, positions, meta, the sequences that sample)."""
+        """The flat token batch and its BatchMetadata, copied to the device once.
+        Returns (input_ids, positions, meta, the sequences that sample, prompt-logprob spans).
+        Logits rows: first one per sampling sequence (its last token), then, for requests
+        that want prompt logprobs, one per prompt position computed in this step."""
         bs = self.config.block_size
-        input_ids, positions, slots, seq_lens, starts, logits_indices, sampled = [], [], [], [], [0], [], []
+        input_ids, seq_lens, sample_rows, sampled, prompt_rows, prompt_spans = [], [], [], [], [], []
+        start = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             input_ids += seq.token_ids[first:end]
-            positions += range(first, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(first, end)]  # slot = block * block_size + offset
             seq_lens.append(end)
-            starts.append(starts[-1] + num_new)
             if end == len(seq.token_ids):  # the prompt (or chunk) reaches the end: this row samples the next token
-                logits_indices.append(starts[-1] - 1)
+                sample_rows.append(start + num_new - 1)
                 sampled.append(seq)
+            if seq.request.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1; positions already scored (before a preemption) are skipped
+                lo, hi = max(first, len(seq.request.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_rows += range(start + lo - first, start + hi - first)
+                    prompt_spans.append((seq, lo, hi - lo))
+            start += num_new
+        # positions and cache slots, vectorised over the batch's tokens
+        num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
+        starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
+        positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
+        rows = self.block_tables.rows(batch.seqs, bs)  # (num_seqs,)
         max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        block_tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.seqs]  # (num_seqs, max_blocks)
+        block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
 
-        def as_tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def on_device(t):
+            return t.to(self.device, non_blocking=True)
 
         meta = BatchMetadata(
-            query_start_loc=as_tensor(starts, torch.int32),
-            seq_lens=as_tensor(seq_lens, torch.int32),
-            slot_mapping=as_tensor(slots, torch.int64),
-            block_tables=as_tensor(block_tables, torch.int32),
-            logits_indices=as_tensor(logits_indices, torch.int64),
+            query_start_loc=on_device(starts),
+            seq_lens=on_device(seq_lens),
+            slot_mapping=on_device(slots),
+            block_tables=on_device(block_tables),
+            logits_indices=on_device(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
         )
-        input_ids, positions = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (num_tokens,) each
-        return input_ids, positions, meta, sampled
+        return on_device(torch.tensor(input_ids)), on_device(positions), meta, sampled, prompt_spans
+
+    def _record_prompt_logprobs(self, logits, spans):
+        """logits (rows, vocab): one row per prompt position in spans = [(seq, first position, count)]."""
+        targets = [t for seq, first, num in spans for t in seq.token_ids[first + 1 : first + 1 + num]]
+        k = max(seq.request.params.prompt_logprobs for seq, _, _ in spans)
+        lists = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        row = 0
+        for seq, _, num in spans:
+            for _ in range(num):
+                seq.request.prompt_logprobs.append(self._logprob_entry(lists, row, targets[row], seq.request.params.prompt_logprobs))
+                row += 1
+
+    def _logprob_entry(self, lists, row, token_id, k):
+        """{token id: Logprob}: the chosen token first, then the k best (it may be one of them)."""
+        chosen, ranks, top_values, top_ids = lists
+        entry = {token_id: Logprob(chosen[row], ranks[row], self._token_text(token_id))}
+        for rank, (lp, tid) in enumerate(zip(top_values[row][:k], top_ids[row][:k]), start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
+        return entry
+
+    def _token_text(self, token_id):
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.perf_counter()
         touched = {}
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token_id)
-            if logprobs is not None and seq.request.params.logprobs is not None:
-                self._record_logprobs(seq, row, token_id, logprobs)
+            params = seq.request.params
+            if seq.output_counts is not None:  # penalties: counts kept incrementally
+                seq.output_counts[token_id] += 1
+            if logprobs is not None and params.logprobs is not None:
+                entry = self._logprob_entry(logprobs, row, token_id, params.logprobs)
+                seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token_id].logprob
             num_chars = len(seq.text)
-            self._detokenize(seq)
+            self._detokenize(seq, token_id)
             self._check_stop(seq, token_id, num_chars)
             if seq.finish_reason is not None:
                 if seq.stop_reason is None or isinstance(seq.stop_reason, int):
@@ -1109,51 +1340,50 @@ class LLM:
                 request.metrics.first_token_time = now
             touched[request.request_id] = request
         self.stats.num_output_tokens += len(token_ids)
-        outputs = [self._make_output(r) for r in touched.values()]
+        outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
         return outputs + self._collect_aborted()
 
-    def _record_logprobs(self, seq, row, token_id, logprobs):
-        chosen, ranks, top_values, top_ids = logprobs
-        decode = self.tokenizer.decode
-        entry = {token_id: Logprob(chosen[row], ranks[row], decode([token_id]))}  # the sampled token first
-        k = seq.request.params.logprobs
-        for rank, (lp, tid) in enumerate(zip(top_values[row][:k], top_ids[row][:k]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
-        seq.logprobs = (seq.logprobs or []) + [entry]
-        seq.cumulative_logprob += entry[token_id].logprob
+    def _detokenize(self, seq, token_id=None, flush=False):
+        """Incremental detokenization with the tokenizers library's DecodeStream: each token
+        costs O(1), the text grows by whole characters and equals a decode of all output
+        tokens (a SentencePiece tokenizer drops the first output token's leading space, as
+        decoding the output tokens alone does). flush: a character still cut in the middle
+        at the end comes out as the replacement character, as a plain decode gives it."""
+        if flush:
+            if seq.num_detokenized < seq.num_output_tokens:
+                seq.text += self.tokenizer.decode(seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :], skip_special_tokens=True)
+                seq.num_detokenized = seq.num_output_tokens
+            return
+        if seq.detokenizer is None:
+            from tokenizers.decoders import DecodeStream
 
-    def _detokenize(self, seq, flush=False):
-        """Incremental detokenization (as vLLM does it): decode a short window of
-        tokens and keep only the new, complete characters, so that the output text
-        grows by whole characters and equals a decode of all output tokens. (The window
-        starts at the first output token, so a SentencePiece tokenizer drops that
-        token's leading space, as decoding the output tokens alone does.)"""
-        prefix = self.tokenizer.decode(seq.token_ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(seq.token_ids[seq.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):  # "\ufffd": a character cut in the middle
-            seq.text += full[len(prefix) :]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.token_ids)
+            seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
+        piece = seq.detokenizer.step(self.tokenizer.backend_tokenizer, token_id)
+        if piece is not None:
+            seq.text += piece
+            seq.num_detokenized = seq.num_output_tokens
 
     def _check_stop(self, seq, token_id, num_chars_before):
         params = seq.request.params
-        if token_id in params.stop_token_ids:
+        may_stop = seq.num_output_tokens >= params.min_tokens  # before min_tokens only the length limit ends it
+        if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif params.stop and self._truncate_at_stop_string(seq, num_chars_before):
+        elif may_stop and params.stop and self._truncate_at_stop_string(seq, num_chars_before):
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
+        elif seq.num_output_tokens >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     @staticmethod
     def _truncate_at_stop_string(seq, num_chars_before):
         # a stop string can only end in the new characters: search from len(stop) - 1 before them
-        stops = seq.request.params.stop
-        hits = [(i, s) for s in stops if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
+        params = seq.request.params
+        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
         if not hits:
             return False
         at, seq.stop_reason = min(hits)
-        seq.text = seq.text[:at]  # the stop string is not part of the output
+        seq.text = seq.text[: at + len(seq.stop_reason) if params.include_stop_str_in_output else at]
         return True
 
     def _make_output(self, request: Request) -> RequestOutput:
@@ -1161,11 +1391,16 @@ class LLM:
         if finished:
             request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
             del self.requests[request.request_id]  # it ends exactly once: no later output
+        # a snapshot: the lists are copied (callers and server threads may keep it while the engine runs on)
         completions = [
-            CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.logprobs, s.cumulative_logprob if s.logprobs is not None else None)
+            CompletionOutput(
+                s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob if s.logprobs is not None else None,
+            )
             for s in request.seqs
         ]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics)
+        prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
 
     def _collect_aborted(self):
         """Aborted requests end exactly once: their final output comes out of the next step."""
@@ -1180,15 +1415,7 @@ class LLM:
         in_use = self.allocator.num_blocks - self.allocator.num_free_blocks
         if in_use > s.peak_blocks_in_use:
             s.peak_blocks_in_use = in_use
-            s.kv_utilization_at_peak = self._filled_slots() / (in_use * self.config.block_size)
-
-    def _filled_slots(self):
-        """Token slots holding K/V in the blocks of running sequences, a shared block counted once."""
-        bs, filled = self.config.block_size, {}
-        for seq in self.scheduler.running:
-            for i, block_id in enumerate(seq.block_ids):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
-        return sum(n for n in filled.values() if n > 0)
+            s.kv_utilization_at_peak = self.allocator.num_filled_slots / (in_use * self.config.block_size)
 
     # -- the offline API --
 
@@ -1207,25 +1434,21 @@ class LLM:
         validated = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # check everything before queueing anything
             try:
-                validated.append(self._validate(prompt, p))
+                validated.append(self._validate(prompt, p, output_kind="final_only"))  # only final outputs: no per-step copies
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids, finished = [], {}
-        bar = _progress_bar(len(validated), use_tqdm)
-        start, num_prompt, num_cached, num_out = time.perf_counter(), 0, 0, 0
+        bar = None
         try:
-            ids += [self._enqueue(*v) for v in validated]
+            for v in validated:
+                ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
+            bar = _GenerateProgress(self, ids, validated) if use_tqdm else None
             while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        num_prompt += len(out.prompt_token_ids)
-                        num_cached += out.num_cached_tokens
-                        num_out += sum(len(c.token_ids) for c in out.outputs)
-                        if bar is not None:
-                            bar.update(1)
-                            elapsed = time.perf_counter() - start
-                            bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s, prefix hit {num_cached / max(num_prompt, 1):.0%}")
+                outputs = self.step()
+                for out in outputs:
+                    finished[out.request_id] = out
+                if bar is not None:
+                    bar.update(outputs)
         except BaseException:
             for request_id in ids:  # a failed or interrupted run leaves nothing behind
                 self.abort_request(request_id)
@@ -1241,12 +1464,33 @@ def _as_list(x):
     return x if isinstance(x, (list, tuple)) else [x]
 
 
-def _progress_bar(total, enabled):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+class _GenerateProgress:
+    """generate()'s progress bar, in output tokens: its total is what the requests may
+    produce at most, and shrinks as requests end early (EOS, stop strings)."""
 
-    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+    def __init__(self, llm, request_ids, validated):
+        from tqdm import tqdm
+
+        self.llm, self.num_requests, self.num_done = llm, len(validated), 0
+        bounds = [p.n * min(p.max_tokens or math.inf, llm.max_model_len - len(ids)) for _, ids, p in validated]  # most output tokens
+        self.bounds = dict(zip(request_ids, bounds))
+        self.bar = tqdm(total=sum(bounds), desc="generating", unit="tok", dynamic_ncols=True)
+        self.start, self.num_out, self.num_prompt, self.num_cached = time.perf_counter(), llm.stats.num_output_tokens, 0, 0
+
+    def update(self, finished_outputs):
+        for out in finished_outputs:
+            self.num_done += 1
+            self.num_prompt += len(out.prompt_token_ids)
+            self.num_cached += out.num_cached_tokens
+            self.bar.total -= self.bounds.pop(out.request_id, 0) - sum(len(c.token_ids) for c in out.outputs)
+        new = self.llm.stats.num_output_tokens - self.num_out
+        self.num_out += new
+        self.bar.update(new)
+        hit = self.num_cached / max(self.num_prompt, 1)
+        self.bar.set_postfix_str(f"requests {self.num_done}/{self.num_requests}, prefix hit {hit:.0%}", refresh=False)
+
+    def close(self):
+        self.bar.close()
 
 
 # ---- Server ----
@@ -1598,7 +1842,6 @@ def request_models():
             """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
             given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__}
             try:
-                fields = {name: v for name, v in fields.items() if v is not None or name in SamplingParams.__dataclass_fields__}  # TODO(merge main): drop
                 return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields})
             except ValueError as e:
                 raise ServerError(str(e)) from None

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -384,6 +385,7 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
         admitted += [s.request.request_id for s in batch.seqs if s.index == 0 and s.request.request_id not in admitted]
         check_block_ownership(scheduler, allocator)
         scheduler.mark_computed(batch)
+        check_filled_slots(scheduler, allocator)
         for seq in batch.seqs:
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end samples nothing
@@ -408,6 +410,15 @@ def check_block_ownership(scheduler, allocator):
     assert holders == allocator.ref_counts, "a block is held exactly by the sequences whose tables name it"
     for seq in scheduler.waiting:
         assert seq.block_ids == []
+
+
+def check_filled_slots(scheduler, allocator):
+    """The allocator's incremental count of filled slots equals a recount over the running sequences."""
+    bs, filled = allocator.block_size, {}
+    for seq in scheduler.running:
+        for i, block_id in enumerate(seq.block_ids):
+            filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+    assert allocator.num_filled_slots == sum(filled.values())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1534,6 +1545,224 @@ def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
     assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
     wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
+
+
+# ---- Tests: sampling surface (prompt logprobs, penalties, logit_bias, min_tokens, fast sampler) ----
+
+
+def hf_logprobs(model, token_ids):
+    """HF transformers' log-softmax at every position of token_ids, fp32: (len, vocab)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def check_prompt_logprobs(prompt_logprobs, prompt_ids, reference, k):
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for pos in range(1, len(prompt_ids)):
+        entry, row, token = prompt_logprobs[pos], reference[pos - 1], prompt_ids[pos]
+        assert next(iter(entry)) == token, "the prompt token comes first"
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top = row.topk(k)
+        for rank, (value, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[tid].logprob == pytest.approx(value, abs=1e-4)
+            if tid != token:
+                assert entry[tid].rank == rank
+        assert len(entry) in (k, k + 1)
+
+
+def test_prompt_logprobs_match_hf(default_llm, default_hf):
+    model, tokenizer = default_hf
+    prompts = passage_prompts(tokenizer, [40, 7])
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY)
+    outputs = default_llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        check_prompt_logprobs(out.prompt_logprobs, prompt, hf_logprobs(model, prompt), 3)
+    plain = default_llm.generate(prompts[:1], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_with_chunked_prefill_and_prefix_caching(default_folder, default_hf):
+    model, tokenizer = default_hf
+    llm = LLM(model=default_folder, max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=True, **CPU)
+    prompt = passage_prompts(tokenizer, [70])[0]  # 70 tokens: three chunks of at most 24
+    reference = hf_logprobs(model, prompt)
+    llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # fills the prefix cache
+    out = llm.generate([prompt, prompt], [SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)], use_tqdm=False)
+    assert out[0].num_cached_tokens == 0, "prompt logprobs need every position computed: no cache hits"
+    assert out[1].num_cached_tokens == 64, "a plain request still hits the cache"
+    check_prompt_logprobs(out[0].prompt_logprobs, prompt, reference, 2)
+
+
+class FakeRequest:
+    """Just what apply_penalties reads of a request and its sequence."""
+
+    def __init__(self, params, prompt, output):
+        self.request = Request("r", None, prompt, params, RequestMetrics(0.0))
+        self.token_ids, self.output_counts = prompt + output, None
+        self.num_output_tokens = len(output)
+        self.output_token_ids = output
+
+
+def test_penalties_and_bias_match_a_direct_computation():
+    torch.manual_seed(0)
+    vocab, prompt, output = 12, [1, 2, 2], [2, 3, 3, 3, 5]
+    logits = torch.randn(5, vocab) * 3
+    cases = [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(logit_bias={4: 2.5, 7: -100.0}),
+        SamplingParams(min_tokens=9, stop_token_ids=[6]),
+    ]
+    seqs = [FakeRequest(p, prompt, output) for p in cases]
+    got = nanobatch.apply_penalties(logits.clone(), seqs, eos_token_ids={11})
+    expected = logits.clone()
+    counts = torch.zeros(vocab)
+    for t in output:
+        counts[t] += 1
+    expected[0] -= 0.5 * (counts > 0)
+    expected[1] -= 0.7 * counts
+    for t in set(prompt + output):  # repetition: positive logits divided, negative multiplied
+        expected[2, t] = expected[2, t] / 1.3 if expected[2, t] > 0 else expected[2, t] * 1.3
+    expected[3, 4] += 2.5
+    expected[3, 7] -= 100.0
+    expected[4, [6, 11]] = -math.inf  # min_tokens: EOS and stop_token_ids masked
+    assert torch.equal(got, expected)
+    seqs[4].num_output_tokens = 9  # min_tokens reached: nothing masked any more
+    assert torch.equal(nanobatch.apply_penalties(logits[4:].clone(), seqs[4:], eos_token_ids={11}), logits[4:])
+
+
+@pytest.mark.parametrize("name,value", [("presence_penalty", 1.5), ("frequency_penalty", 1.0), ("repetition_penalty", 1.8)])
+def test_penalties_end_to_end(folder_llm, default_hf, name, value):
+    """Every greedy token equals the argmax of HF's logits after the penalty, applied by hand to
+    the tokens before it; and the output differs from plain greedy (the penalty changes it)."""
+    model, tokenizer = default_hf
+    prompt = tokenizer.encode("The capital of France is")
+    plain = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **{name: value}, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    assert out != plain, "the penalty changes the output"
+    if name != "repetition_penalty":
+        assert out[0] == plain[0], "presence and frequency penalties look at the output only: the first token is free"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()  # row i scores output token i
+    for i, token in enumerate(out):
+        row, counts = logits[i].clone(), torch.bincount(torch.tensor(out[:i], dtype=torch.long), minlength=logits.shape[1]).float()
+        if name == "presence_penalty":
+            row -= value * (counts > 0)
+        elif name == "frequency_penalty":
+            row -= value * counts
+        else:
+            seen = torch.zeros_like(row, dtype=torch.bool)
+            seen[prompt + out[:i]] = True
+            row = torch.where(seen, torch.where(row > 0, row / value, row * value), row)
+        assert int(row.argmax()) == token, f"token {i}"
+
+
+def test_logit_bias_and_skip_special_tokens(folder_llm):
+    im_end = folder_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    forced = SamplingParams(max_tokens=3, logit_bias={im_end: 100.0}, **GREEDY)
+    out = folder_llm.generate(["Hello"], forced, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [im_end] * 3 and out.text == ""
+    out = folder_llm.generate(["Hello"], dataclasses.replace(forced, skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    assert out.text == "<|im_end|>" * 3
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
+    prompt = "The capital of France is"
+    greedy = folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = greedy[2]
+    ended = folder_llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert ended.token_ids == greedy[: greedy.index(stop_id) + 1]
+    held = folder_llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], min_tokens=6, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
+    assert held.token_ids[:2] == greedy[:2] and held.token_ids[2] != stop_id, "the stop id is masked: the next best token comes"
+
+
+def test_include_stop_str_in_output(folder_llm):
+    prompt = "The capital of France is"
+    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:14]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.find(stop) + len(stop)] and out.stop_reason == stop
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.999), top_k=st.sampled_from([0, 3, 50]), num_candidates=st.sampled_from([1, 4, 16]))
+def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, num_candidates):
+    """The top-k / top-p path over a row's best tokens picks the same token as over the whole
+    sorted row, for the same uniform draw, on every row it says it decided."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 64, generator=gen) * 2
+    u = torch.rand(8, generator=gen)
+    k = torch.full((8,), top_k if top_k else 64)
+    p, m = torch.full((8,), top_p), torch.zeros(8)
+    partial, undecided = nanobatch._sample_best(x, max(num_candidates, top_k), k, p, m, u)
+    full, _ = nanobatch._sample_best(x, 64, k, p, m, u)
+    assert torch.equal(partial[~undecided], full[~undecided])
+    if top_k:
+        assert not undecided.any(), "with top-k on, the k best decide"
+
+
+def test_sampler_draws_the_filtered_distribution():
+    """Empirical frequencies over many rows equal the top-k / top-p / min-p distribution."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 30) * 2
+    for params in [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.2, top_k=5), SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=1.0)]:
+        n = 20000
+        seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(n)]
+        tokens = sample(logits.expand(n, -1).contiguous(), SamplingBatch.from_seqs(seqs, 30, torch.device("cpu")), torch.Generator().manual_seed(2))
+        freq = torch.bincount(tokens, minlength=30).double() / n
+        probs = torch.softmax(logits[0].double() / params.temperature, -1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(30, dtype=torch.bool)
+        if params.top_k:
+            keep[order[: params.top_k]] = True
+        else:
+            before = probs[order].cumsum(0) - probs[order]
+            keep[order[before <= params.top_p]] = True
+        keep &= probs >= params.min_p * probs.max()
+        expected = torch.where(keep, probs, 0.0)
+        expected /= expected.sum()
+        assert (freq - expected).abs().max() < 0.015, params
+
+
+def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
+    good = SamplingParams(max_tokens=3, **GREEDY)
+    taken = str(next(tiny_llm.request_counter) + 1)  # the id the next automatic one would get
+    tiny_llm.add_request([5, 6, 7], good, request_id=taken)
+    outs = tiny_llm.generate([[1, 2], [3, 4]], good, use_tqdm=False)  # automatic ids skip the taken one
+    assert len(outs) == 2 and taken not in [o.request_id for o in outs]
+    with pytest.raises(ValueError, match="already in use"):
+        tiny_llm.add_request([1], good, request_id="clash")
+        tiny_llm.add_request([1], good, request_id="clash")
+    tiny_llm.abort_request("clash")
+    real_step, calls = tiny_llm.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the model failed")
+        return real_step()
+
+    monkeypatch.setattr(tiny_llm, "step", failing_step)
+    with pytest.raises(RuntimeError, match="the model failed"):
+        tiny_llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+    monkeypatch.undo()
+    assert not tiny_llm.has_unfinished_requests() and not tiny_llm.requests
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_changing_params_after_submission_changes_nothing(tiny_llm):
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    expected = tiny_llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
+    rid = tiny_llm.add_request([3, 4, 5], params)
+    params.max_tokens, params.stop_token_ids[:] = 1, [expected[0]]  # the caller reuses their object
+    params.stop_token_ids.append(expected[1])
+    outputs = {}
+    while tiny_llm.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in tiny_llm.step()})
+    assert outputs[rid].outputs[0].token_ids == expected
 
 
 # ---- Tests: the server's HTTP stack (uvicorn) and OpenAI surface ----
