@@ -2288,6 +2288,8 @@ def build_app(server):
             raise ServerError(str(e)) from None
 
     async def respond(request: Request, sub, fmt, stream):
+        if not stream:  # only the final output crosses threads: no per-step snapshots
+            sub.params = dataclasses.replace(sub.params, output_kind="final_only")
         pending = Pending(engine, sub)
         if not stream:
             outs = await unless_hung_up(request, pending, pending.finals())
