@@ -28,7 +28,9 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 """
 
 import argparse
+import array
 import glob
+import hashlib
 import http.server
 import importlib.util
 import itertools
@@ -57,6 +59,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
 
 
+def cpu_has_native_bf16():
+    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
+    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
+    flags = ("avx512_bf16", "amx_bf16")
+    if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
+        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
+    except OSError:
+        return False
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or a .gguf file; None: SmolLM2-135M-Instruct
@@ -68,7 +83,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
     enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA and on CPUs with native bf16, else float32), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
 
@@ -78,6 +93,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
+                             "every running sequence needs a token of the step budget")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
@@ -97,7 +115,7 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+            self.dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
 
     @property
     def torch_dtype(self):
@@ -230,7 +248,7 @@ class Sequence:
     status: str = WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache key of each full block, chained
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key of each full block, chained
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
     # output text, detokenized incrementally (see LLM._detokenize)
     text: str = ""
@@ -261,16 +279,21 @@ class Sequence:
 class BlockAllocator:
     """A pool of KV blocks with ref counts and a prefix cache.
 
-    A block's key is a chained hash (parent block's key, this block's token ids),
-    registered once the block is full. Free blocks sit in an LRU list; a freed
-    block keeps its key until it is handed out again, so a later request with the
-    same prefix can take it back (the free list doubles as the cache)."""
+    A block's key is a chained sha256 (parent block's key, this block's token ids),
+    registered once the block is full. A hit must also match the block's tokens and
+    its parent block (the one the looking-up sequence matched just before), so even
+    a key collision never shares a block computed after a different prefix. Free
+    blocks sit in an LRU list; a freed block keeps its key until it is handed out
+    again, so a later request with the same prefix can take it back (the free list
+    doubles as the cache). A registered block is only held by sequences that also
+    hold its parent, and each is freed tail first: a child is always evicted before
+    its parent, so the parent block id an entry names still holds that parent."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
-        self.block_keys = [None] * num_blocks  # (key, parent key, token ids) of a registered full block
+        self.block_keys = [None] * num_blocks  # (key, parent block id, token ids) of a registered full block
         self.cached = {}  # key -> block id
 
     @property
@@ -305,13 +328,16 @@ class BlockAllocator:
 
     @staticmethod
     def hash_block(parent_key, token_ids):
-        return hash((parent_key, tuple(token_ids)))
+        """The one function that makes a key: sha256 over (parent key, token ids as int64), so a key names
+        the whole prefix. Python's hash() is unsalted for ints and a client could aim at a collision (vLLM
+        moved to sha256 for this, CVE-2025-25183). About 1 us per block, once per block."""
+        return hashlib.sha256((parent_key or b"") + array.array("q", token_ids).tobytes()).digest()
 
-    def share_cached(self, key, parent_key, token_ids):
-        """The cached block holding these tokens after this parent, shared; or None."""
+    def share_cached(self, key, parent_block, token_ids):
+        """The cached block holding these tokens right after block parent_block (None: the first block), shared; or None."""
         block_id = self.cached.get(key)
-        if block_id is None or self.block_keys[block_id] != (key, parent_key, tuple(token_ids)):
-            return None  # a miss, or a hash collision caught by comparing the tokens
+        if block_id is None or self.block_keys[block_id] != (key, parent_block, tuple(token_ids)):
+            return None  # a miss, or a collision caught by the tokens or the parent block
         self.share(block_id)
         return block_id
 
@@ -320,10 +346,10 @@ class BlockAllocator:
         self.cached.clear()
         self.block_keys = [None] * self.num_blocks
 
-    def register(self, block_id, key, parent_key, token_ids):
+    def register(self, block_id, key, parent_block, token_ids):
         if key not in self.cached:  # the first full block with these tokens serves later lookups
             self.cached[key] = block_id
-            self.block_keys[block_id] = (key, parent_key, tuple(token_ids))
+            self.block_keys[block_id] = (key, parent_block, tuple(token_ids))
 
 
 # ---- Scheduler ----
@@ -429,7 +455,7 @@ class Scheduler:
         self._hash_full_blocks(seq, len(seq.token_ids))
         bs = self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_ids[i - 1] if i else None  # the block matched just before: the chain is checked link by link
             block_id = self.allocator.share_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
@@ -485,7 +511,7 @@ class Scheduler:
                 continue
             self._hash_full_blocks(seq, seq.num_computed_tokens)
             for i in range(before // bs, seq.num_computed_tokens // bs):
-                parent = seq.block_hashes[i - 1] if i else None
+                parent = seq.block_ids[i - 1] if i else None
                 self.allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def fork(self, parent, num_children, make_seq):
