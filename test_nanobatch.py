@@ -1631,3 +1631,26 @@ def test_smallest_budget_serves_every_sample_every_step(tiny_models):
     first = next(i for i, c in enumerate(counts) if len(c) == 4)  # the step that forked the samples
     for before, after in zip(counts[first:], counts[first + 1 :]):
         assert all(a == b + 1 for a, b in zip(after, before)), counts
+
+
+def test_cli_busy_port_fails_before_the_model_load():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0]
+
+
+def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--n", "3", "--max-tokens", "2", "--num-kv-blocks", "64", stdin="Hello\n")
+    assert r.returncode == 0, r.stderr
+    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == ["sample 1 of 3)", "sample 2 of 3)", "sample 3 of 3)"]
+    help_text = " ".join(run_cli("--help").stdout.split())  # argparse wraps lines
+    assert "(default: 256)" in help_text and "(default: 2048)" in help_text and "(default: 8000)" in help_text
+    args = nanobatch.build_arg_parser().parse_args([])  # argparse defaults are the dataclasses' defaults
+    config, params = EngineConfig(device="cpu"), SamplingParams()
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
+    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
