@@ -200,10 +200,11 @@ def _decode_groups(decode, lens, block_size):
 
 def _attend(q, k, v, mask, scale):
     """q (S, Hkv, M, D): each kv head's query heads packed into M rows; k, v (S, L, Hkv, D);
-    mask (S, 1, M or 1, L), True = visible. Every real query row sees at least its own key."""
+    mask (S, 1, M or 1, L), True = visible. Every real query row sees at least its own key.
+    In q's dtype: SDPA accumulates 16-bit inputs in fp32 (rounding the probabilities to the
+    input dtype before P @ V, as the Triton kernel does); upcasting copies would cost 2-3x on CPU."""
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, Hkv, L, D)
-    o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
-    return o  # (S, Hkv, M, D), fp32
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (S, Hkv, M, D)
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
