@@ -577,6 +577,12 @@ def copy_bandwidth(device, num_bytes=256 << 20, repeats=20):
     return 2 * num_bytes * repeats / (time.perf_counter() - start)  # every byte read once and written once
 
 
+def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
+    """At most how many steps batch_size prompts of context_len tokens take to prefill: the sequences
+    admitted first decode meanwhile, one token each of every step's budget."""
+    return math.ceil(batch_size * context_len / max(1, max_num_batched_tokens - batch_size)) + 1
+
+
 def measure_decode_step(llm, batch_size, context_len, num_steps):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
     step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
@@ -585,8 +591,7 @@ def measure_decode_step(llm, batch_size, context_len, num_steps):
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
     # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
-    num_prefill_steps = math.ceil(batch_size * context_len / llm.config.max_num_batched_tokens) + 1
-    params = greedy(num_prefill_steps + num_steps + 4)
+    params = greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4)
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
     counts = dict.fromkeys(ids, 0)
     while min(counts.values()) < 2:
@@ -972,8 +977,7 @@ def run_host(args, model_path):
     machine = machine_info()
     context_len, block_size = args.max_prompt_len, EngineConfig.block_size
     # room for every sequence's whole run (measure_decode_step's output length), so that nothing is preempted
-    num_prefill_steps = math.ceil(args.num_requests * context_len / args.max_num_batched_tokens) + 1
-    tokens_per_seq = context_len + num_prefill_steps + HOST_DECODE_STEPS + 8
+    tokens_per_seq = context_len + max_prefill_steps(args.num_requests, context_len, args.max_num_batched_tokens) + HOST_DECODE_STEPS + 8
     llm = load_nanobatch(model_path, args, num_kv_blocks=args.num_requests * math.ceil(tokens_per_seq / block_size))
     print("[host] warm-up ...", file=sys.stderr, flush=True)
     measure_decode_step(llm, 4, 32, 2)
