@@ -19,17 +19,24 @@ Workloads (--workload):
                     (seed 0), as in nano-vllm's bench
     shared-prefix   N requests behind one long common system prompt (--prefix-len tokens), each with a short
                     distinct question (the prompt-length range) and a short output: what prefix caching is for
+    host            nanobatch alone: N sequences of --max-prompt-len random tokens prefill, then HOST_DECODE_STEPS
+                    decode steps are timed, split into the model forward and the host's share (default: 256 x 2048
+                    on a random tiny Llama, where the forward is cheap and the engine's per-step host work shows)
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
 (TTFT, mean and p99) and time per output token (TPOT). Each system has one small warm-up run first. For
 nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
 the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
-actual one. On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
+actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
+prepare inputs, sample, append and detokenize), measured by timing llm.model.forward (synchronised on a GPU),
+with its share of the step. On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
 (weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
-on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default), in fp32.
+on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
+nanobatch and HF; auto is the engine's own rule (bfloat16 on a GPU and on CPUs with native bf16, else
+float32), and the header line of the report names the dtype used.
 
 --kernels times the paged-attention kernel alone, no model loaded: paged_attention_triton next to torch's
 scaled_dot_product_attention on equal work (the same q, K, V; SDPA reads them dense and contiguous, with
@@ -44,6 +51,7 @@ Run:  python bench.py                                    (the random workload, f
       python bench.py --workload shared-prefix             (prefix caching on / off)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
+      python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
 """
 
 import argparse
@@ -87,7 +95,14 @@ WORKLOAD_DEFAULTS = {
     ("cpu", "shared-prefix"): dict(num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16),
     ("cuda", "random"): dict(num_requests=256, min_prompt_len=100, max_prompt_len=1024, min_output_len=100, max_output_len=1024, max_num_seqs=64),
     ("cuda", "shared-prefix"): dict(num_requests=256, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=64),
+    # host: every request has max_prompt_len tokens and decodes; the output lengths are not used
+    ("cpu", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
+    ("cuda", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
 }
+HOST_DECODE_STEPS = 16  # decode steps timed by --workload host
+RANDOM_TINY_LLAMA = "random-tiny-llama"  # --model value: the --workload host default, a 2-layer Llama built here
+TINY_LLAMA_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)  # the default tokenizer's vocabulary
 DEFAULT_PREFIX_LEN = 500  # tokens of the shared system prompt
 RANDOM_QWEN3 = "random-qwen3-0.6b"  # --model value: random weights with Qwen3-0.6B's shape (the GPU default)
 # Qwen3-0.6B's real shape (its config.json); the vocabulary is larger than the tokenizer saved next to it, which
@@ -195,6 +210,7 @@ class Run:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (nanobatch only)
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
+    forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
 
 
 @dataclass
@@ -298,6 +314,32 @@ def measure(name, run_fn, workload, warmup, device) -> tuple[SystemResult, Run]:
     return result, run
 
 
+class ForwardTimer:
+    """Adds up the seconds an engine spends in its model forward by wrapping llm.model.forward (an instance
+    attribute, which nn.Module.__call__ finds first); everything else in LLM.step is the host's work. On a
+    GPU it synchronises after each forward so that the GPU's work is counted here, not in the host's share
+    (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap)."""
+
+    def __init__(self, llm):
+        self.seconds = 0.0
+        forward, device = llm.model.forward, llm.device
+
+        def timed_forward(*args, **kwargs):
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            synchronize(device)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        llm.model.forward = timed_forward
+
+
+def host_split(step_s, forward_s):
+    """Host time per step and its share of the step."""
+    host_s = step_s - forward_s
+    return {"step_ms": step_s * 1e3, "forward_ms": forward_s * 1e3, "host_ms": host_s * 1e3, "host_share": host_s / step_s}
+
+
 def percentile(xs, q):
     """Nearest-rank percentile."""
     xs = sorted(xs)
@@ -321,10 +363,12 @@ def sampled(n):
     return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True)
 
 
-def load_nanobatch(model_path, args):
+def load_nanobatch(model_path, args, **engine_config):
     # the KV pool is allocated (and zeroed, so resident) here, before any run: PeakMemory does not see it,
     # engine_run counts the blocks a run held at its peak instead
-    return LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
+    llm.forward_timer = ForwardTimer(llm)  # bench-side only: the engine knows nothing of it
+    return llm
 
 
 def kv_bytes_per_block(llm):
@@ -335,6 +379,7 @@ def begin_engine_run(llm, prefix_caching=True):
     llm.reset_prefix_cache()  # no run may be served from blocks an earlier run (same prompts) left cached
     llm.config.enable_prefix_caching = prefix_caching  # read by the scheduler at every step; safe while idle
     llm.stats = EngineStats()  # the engine's counters add up over its lifetime: count this run only
+    llm.forward_timer.seconds = 0.0
 
 
 def run_nanobatch(llm, workload, prefix_caching=True, params=greedy) -> Run:
@@ -390,6 +435,7 @@ def engine_run(llm, outputs, seconds, start) -> Run:
         num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
         extra_memory_bytes=llm.stats.peak_blocks_in_use * kv_bytes_per_block(llm),
         stats=llm.stats,
+        forward_seconds=llm.forward_timer.seconds,
     )
 
 
@@ -484,11 +530,27 @@ def run_hf_generate_batch(model, workload, args) -> Run:
 def save_random_qwen3(folder, tokenizer_source):
     """A Qwen3-0.6B-shaped model with random weights (no download needed), saved as a HF folder with the
     default model's tokenizer: nanobatch and HF both load it from there."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen3Config(**QWEN3_0_6B_SHAPE, architectures=["Qwen3ForCausalLM"], dtype="bfloat16")
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return save_tokenizer(folder, tokenizer_source)
+
+
+def save_random_tiny_llama(folder, tokenizer_source):
+    """--workload host's default: a 2-layer Llama, hidden size 64, random weights: its forward costs little,
+    so what a step costs beyond it is the engine's host work."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA_SHAPE, architectures=["LlamaForCausalLM"])).save_pretrained(folder)
+    return save_tokenizer(folder, tokenizer_source)
+
+
+def save_tokenizer(folder, tokenizer_source):
+    from transformers import AutoTokenizer
+
     gguf = {"gguf_file": os.path.basename(tokenizer_source)}
     AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_source), **gguf).save_pretrained(folder)
     return folder
@@ -522,30 +584,38 @@ def copy_bandwidth(device, num_bytes=256 << 20, repeats=20):
     return 2 * num_bytes * repeats / (time.perf_counter() - start)  # every byte read once and written once
 
 
+def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
+    """At most how many steps batch_size prompts of context_len tokens take to prefill: the sequences
+    admitted first decode meanwhile, one token each of every step's budget."""
+    return math.ceil(batch_size * context_len / max(1, max_num_batched_tokens - batch_size)) + 1
+
+
 def measure_decode_step(llm, batch_size, context_len, num_steps):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
-    step until all have two output tokens (prefill over), then time num_steps steps."""
+    step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
+    per step and the seconds of it in the model forward."""
     begin_engine_run(llm)
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
     # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
-    num_prefill_steps = math.ceil(batch_size * context_len / llm.config.max_num_batched_tokens) + 1
-    params = greedy(num_prefill_steps + num_steps + 4)
+    params = greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4)
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
     counts = dict.fromkeys(ids, 0)
     while min(counts.values()) < 2:
         for out in llm.step():
             counts[out.request_id] = len(out.outputs[0].token_ids)
     synchronize(llm.device)
+    llm.forward_timer.seconds = 0.0
     start = time.perf_counter()
     for _ in range(num_steps):
         llm.step()  # samples and calls .tolist(): each step ends synchronised
     seconds = (time.perf_counter() - start) / num_steps
+    forward_seconds = llm.forward_timer.seconds / num_steps
     for request_id in ids:
         llm.abort_request(request_id)
     while llm.has_unfinished_requests():  # the aborted requests' final outputs come out of a step
         llm.step()
-    return seconds
+    return seconds, forward_seconds
 
 
 def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
@@ -553,7 +623,7 @@ def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
     bytes_per_token = kv_bytes_per_block(llm) // llm.config.block_size
     num_steps = 16
     kv_bytes = batch_size * (context_len + 2 + num_steps // 2) * bytes_per_token  # about: some are a few tokens ahead
-    measured = measure_decode_step(llm, batch_size, context_len, num_steps)
+    measured, _ = measure_decode_step(llm, batch_size, context_len, num_steps)
     return Roofline(bandwidth / 1e9, batch_size, context_len, weight_bytes, kv_bytes, (weight_bytes + kv_bytes) / bandwidth, measured)
 
 
@@ -761,14 +831,21 @@ def format_table(results, workload, reference="nanobatch"):
     return "\n".join(lines)
 
 
-def format_engine_details(name, stats, llm, seconds, ideal_s=None):
+def format_engine_details(name, stats, llm, seconds, ideal_s=None, forward_s=None):
     pool = llm.allocator.num_blocks
     line = (f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
             f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
             f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)")
+    if forward_s is not None and stats.num_steps:
+        line += "\n" + format_host_split(name, host_split(seconds / stats.num_steps, forward_s / stats.num_steps), f"mean of {stats.num_steps} steps")
     if ideal_s is not None:
         line += f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s (the longest request alone: no batching can finish sooner)"
     return line
+
+
+def format_host_split(name, split, what):
+    return (f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
+            f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize")
 
 
 def format_roofline(r: Roofline):
@@ -840,7 +917,9 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         if ideal is not None:
             extra["nanobatch_ideal_seconds"] = ideal
         extra.setdefault("engine", {})[name] = asdict(run.stats)
-        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal))
+        if run.stats.num_steps:
+            extra["engine"][name]["host"] = host_split(run.seconds / run.stats.num_steps, run.forward_seconds / run.stats.num_steps)
+        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, run.forward_seconds))
         results.append(result)
         runs.append(run)
     if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
@@ -901,12 +980,36 @@ def run_kernels(args, device):
             json.dump({"machine": machine, "kernels": kernels_json}, f, indent=2)
 
 
+def run_host(args, model_path):
+    """--workload host: args.num_requests sequences of args.max_prompt_len random tokens prefill, then
+    HOST_DECODE_STEPS decode steps are timed and split into the model forward and the host's share."""
+    machine = machine_info()
+    context_len, block_size = args.max_prompt_len, EngineConfig.block_size
+    # room for every sequence's whole run (measure_decode_step's output length), so that nothing is preempted
+    tokens_per_seq = context_len + max_prefill_steps(args.num_requests, context_len, args.max_num_batched_tokens) + HOST_DECODE_STEPS + 8
+    llm = load_nanobatch(model_path, args, num_kv_blocks=args.num_requests * math.ceil(tokens_per_seq / block_size))
+    print("[host] warm-up ...", file=sys.stderr, flush=True)
+    measure_decode_step(llm, 4, 32, 2)
+    print(f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...", file=sys.stderr, flush=True)
+    step_s, forward_s = measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS)
+    split = host_split(step_s, forward_s)
+    print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}")
+    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
+    print(format_host_split("nanobatch", split, f"mean of {HOST_DECODE_STEPS} decode steps"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "workload": {"name": "host", "num_seqs": args.num_requests, "context_len": context_len,
+                       "decode_steps": HOST_DECODE_STEPS, "dtype": args.dtype}, "host": split}, f, indent=2)
+
+
 def resolve_model(args):
-    if args.model == RANDOM_QWEN3:
-        print(f"building {RANDOM_QWEN3} ...", file=sys.stderr, flush=True)
-        folder = tempfile.mkdtemp(prefix="bench-qwen3-")
+    builders = {RANDOM_QWEN3: save_random_qwen3, RANDOM_TINY_LLAMA: save_random_tiny_llama}
+    if args.model in builders:
+        print(f"building {args.model} ...", file=sys.stderr, flush=True)
+        folder = tempfile.mkdtemp(prefix=f"bench-{args.model}-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        return save_random_qwen3(folder, nanobatch.default_model_path())
+        return builders[args.model](folder, nanobatch.default_model_path())
     return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
 
 
@@ -914,11 +1017,13 @@ def build_arg_parser():
     sizes = "; ".join(f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items())
     p = argparse.ArgumentParser(description="nanobatch throughput and latency, side by side with HF transformers",
                                 epilog=f"Defaults that depend on the device and the workload: {sizes}.")
-    p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random")
+    p.add_argument("--workload", choices=[*DEFAULT_SYSTEMS, "host"], default="random", help="host: nanobatch's host time per decode step only")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
                                       f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])})")
-    p.add_argument("--model", help=f"HF folder or .gguf file, or {RANDOM_QWEN3} (default: {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
+                                    f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
+                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with native bf16, else float32")
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
@@ -940,14 +1045,16 @@ def resolve_args(args):
     for name, value in WORKLOAD_DEFAULTS[(device, args.workload)].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS[args.workload]
+    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS.get(args.workload, ["nanobatch"])
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
-    if args.model is None and device == "cuda":
+    if args.model is None and args.workload == "host":
+        args.model = RANDOM_TINY_LLAMA
+    elif args.model is None and device == "cuda":
         args.model = RANDOM_QWEN3
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if device == "cuda" else "float32"
+    if args.dtype == "auto":  # resolved here, once, and passed explicitly to every system
+        args.dtype = "bfloat16" if device == "cuda" or nanobatch.cpu_has_native_bf16() else "float32"
     if args.roofline is None:
         args.roofline = device == "cuda"
     for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
@@ -966,8 +1073,10 @@ def main(args):
 
     hf_logging.set_verbosity_error()  # transformers' notes on loading and generation flags
     hf_logging.disable_progress_bar()  # and its weight-loading bars: the bench prints its own progress
-    machine = machine_info()
     model_path = resolve_model(args)
+    if args.workload == "host":
+        return run_host(args, model_path)
+    machine = machine_info()
     results, runs, extra, details, workload = [], [], {}, [], None
     if any(s.startswith("nanobatch") for s in args.systems):
         workload, details = run_engine_systems(args, model_path, device, results, runs, extra)
@@ -979,7 +1088,7 @@ def main(args):
         raise RuntimeError("no system ran")
 
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
-    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); workload: {json.dumps(workload.describe())}; "
+    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
     print(format_table(results, workload))
     print("\n" + "\n".join(details) if details else "")

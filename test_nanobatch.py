@@ -44,7 +44,7 @@ from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, R
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-CPU = dict(device="cpu")  # engine tests compare with HF in fp32 on the CPU, also on a GPU machine (test_cuda_* cover CUDA)
+CPU = dict(device="cpu", dtype="float32")  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
 
 # ---- Fixtures: models ----
 
@@ -252,7 +252,8 @@ def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, r
     """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
     (The reference itself ran with caching on and a budget of 2048.)"""
     prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens, **CPU)
+    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
+              max_num_seqs=min(256, max_num_batched_tokens), **CPU)  # the budget must cover one token per running sequence
     original_schedule = llm.scheduler.schedule
     step_tokens = []
 
@@ -432,6 +433,7 @@ def check_filled_slots(scheduler, allocator):
 def test_scheduler_properties(data, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching):
     """Random arrivals, lengths, n, budgets and pool sizes: every step within budget, FCFS admission,
     every request finishes, every block back in the pool with ref count 0."""
+    max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # EngineConfig's rule: a token of the budget per running sequence
     shared = [9] * data.draw(st.integers(0, 24))  # a common prefix for some requests
     arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=10))
     arrivals = [(t, (shared + p) if i % 2 else p, out, min(n, max_num_seqs)) for i, (t, p, out, n) in enumerate(arrivals)]
@@ -681,7 +683,7 @@ def test_max_model_len_above_the_model_limit(tiny_models):
 
 def run_cli(*args, stdin=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [*args, "--device", "cpu"]
+    args = [*args, "--device", "cpu", "--dtype", "float32"]  # compared with fp32 engines
     return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -2090,3 +2092,123 @@ def test_metrics_count_the_requests_sent(server):
         assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
     assert after[("vllm:kv_cache_usage_perc", None)] == after[("vllm:gpu_cache_usage_perc", None)] == 0
+
+
+# ---- Tests: CPU attention path, dtype, prefix-cache keys, budgets, CLI ----
+
+
+def contiguous_blocks(args):
+    """The same paged batch with each sequence's blocks renumbered into one contiguous run
+    (the layout a prompt usually gets), so the reference takes its no-copy view path."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    bs = k_cache.shape[1]
+    new_k, new_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    new_tables, next_id = block_tables.clone(), 1  # block 0 stays unused (NaN)
+    for s, L in enumerate(seq_lens.tolist()):
+        n = -(-L // bs)
+        old = block_tables[s, :n].long()
+        new_k[next_id : next_id + n], new_v[next_id : next_id + n] = k_cache[old], v_cache[old]
+        new_tables[s, :n] = torch.arange(next_id, next_id + n, dtype=torch.int32)
+        next_id += n
+    return (q, new_k, new_v, new_tables, seq_lens, query_start_loc, scale)
+
+
+@PROPERTY
+@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 1024]), contiguous=st.booleans())
+def test_paged_attention_ref_groups_and_views_match_naive(case, group_keys, contiguous):
+    """The reference's decode groups (any group size, down to one sequence each) and its
+    no-copy view of contiguous blocks give naive attention, NaN in unused slots included."""
+    args, dense = build(case)
+    if contiguous:
+        args = contiguous_blocks(args)
+    out = torch.full_like(args[0], float("nan"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
+        kernels.paged_attention_ref(*args, out=out)
+    assert not out.isnan().any()
+    tol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
+
+
+def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(nanobatch, "cpu_has_native_bf16", lambda: native)
+        assert EngineConfig(device="cpu").dtype == expected
+    assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"  # an explicit dtype is kept
+
+
+def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
+    """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
+    llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
+    assert llm.kv_pool.dtype == torch.bfloat16 and llm.model.lm_head.weight.dtype == torch.bfloat16
+    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is"]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in folder_llm.generate(prompts, params, use_tqdm=False)]
+    assert [g[0] for g in got] == [w[0] for w in want]
+
+
+def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_hf, monkeypatch):
+    """Every first block gets the same key. A prompt after B0 + Y1 and A0 + X1 that reads B0 + X1 may
+    share B's first block (same tokens, a true hit) but never A's X1 block, computed after A0."""
+    real_hash = BlockAllocator.hash_block
+    monkeypatch.setattr(BlockAllocator, "hash_block", staticmethod(lambda parent, tokens: b"collide" if parent is None else real_hash(parent, tokens)))
+    ids = default_hf[1].encode(PASSAGE)
+    b0, y1, a0, x1, tail = ids[0:16], ids[16:32], ids[100:116], ids[200:216], ids[230:233]
+    assert len(x1) == 16 and len(tail) == 3  # prompts of 35 tokens: two full blocks could come from the cache
+    folder_llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    try:
+        outs = [folder_llm.generate([p], params, use_tqdm=False)[0] for p in (b0 + y1 + tail, a0 + x1 + tail, b0 + x1 + tail)]
+    finally:
+        folder_llm.reset_prefix_cache()  # no colliding keys left behind for later tests
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]  # A's first block collides but its tokens differ: no hit
+    assert outs[2].outputs[0].token_ids == hf_greedy(default_hf[0], b0 + x1 + tail, 8)
+
+
+def test_hash_block_is_a_sha256_chain():
+    key = BlockAllocator.hash_block(None, [1, 2, 3])
+    assert len(key) == 32 and key != BlockAllocator.hash_block(None, [1, 2, 4])
+    assert BlockAllocator.hash_block(key, [5]) != BlockAllocator.hash_block(BlockAllocator.hash_block(None, [1, 2, 4]), [5])
+
+
+def test_budget_below_max_num_seqs_is_rejected():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        EngineConfig(max_num_batched_tokens=4, max_num_seqs=8, device="cpu")
+    assert EngineConfig(max_num_batched_tokens=4, max_num_seqs=4, device="cpu").max_num_seqs == 4
+
+
+def test_smallest_budget_serves_every_sample_every_step(tiny_models):
+    """max_num_batched_tokens == max_num_seqs == n: after the prefill every sample gains a token each step."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_num_seqs=4, max_num_batched_tokens=4, num_kv_blocks=32, **CPU)
+    llm.add_request(list(range(100, 110)), SamplingParams(n=4, max_tokens=6, **GREEDY))
+    counts = []
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            counts.append([len(c.token_ids) for c in out.outputs])
+    first = next(i for i, c in enumerate(counts) if len(c) == 4)  # the step that forked the samples
+    for before, after in zip(counts[first:], counts[first + 1 :]):
+        assert all(a == b + 1 for a, b in zip(after, before)), counts
+
+
+def test_cli_busy_port_fails_before_the_model_load():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0]
+
+
+def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--n", "3", "--max-tokens", "2", "--num-kv-blocks", "64", stdin="Hello\n")
+    assert r.returncode == 0, r.stderr
+    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == ["sample 1 of 3)", "sample 2 of 3)", "sample 3 of 3)"]
+    help_text = " ".join(run_cli("--help").stdout.split())  # argparse wraps lines
+    assert "(default: 256)" in help_text and "(default: 2048)" in help_text and "(default: 8000)" in help_text
+    args = nanobatch.build_arg_parser().parse_args([])  # argparse defaults are the dataclasses' defaults
+    config, params = EngineConfig(device="cpu"), SamplingParams()
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
+    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
