@@ -888,12 +888,7 @@ class StructuredOutputsParams:
         def bad(name, rule):
             raise ValueError(f"StructuredOutputsParams.{name} {rule}, got {_cut(repr(getattr(self, name)))}")
 
-        if isinstance(self.json, str):
-            try:
-                json.loads(self.json)
-            except ValueError:
-                bad("json", "must be a JSON schema: a dict or its JSON text")
-        elif self.json is not None and not isinstance(self.json, dict):
+        if self.json is not None and not (isinstance(self.json, (str, dict)) and _is_json(self.json)):
             bad("json", "must be a JSON schema: a dict or its JSON text")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
@@ -949,7 +944,10 @@ class StructuredOutputManager:
         if self.compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
             self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # the cache above is the one
-        compile = {"json": self.compiler.compile_json_schema, "regex": self.compiler.compile_regex, "grammar": self.compiler.compile_grammar}[kind]
+        # JSON comes out on one line (", " and ": " separators): given free whitespace, a small model can
+        # loop on newlines and tabs until max_tokens (SmolLM2-135M does); vLLM's disable_any_whitespace
+        compile = {"json": lambda t: self.compiler.compile_json_schema(t, any_whitespace=False),
+                   "regex": self.compiler.compile_regex, "grammar": self.compiler.compile_grammar}[kind]
         try:
             return compile(text)
         except RuntimeError as e:  # xgrammar's C++ errors start with "[time] file.cc:line: "
@@ -1028,6 +1026,14 @@ def structured_outputs_from_request(body):
         return StructuredOutputsParams(**fields)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
+
+
+def _is_json(value):
+    try:
+        json.loads(value) if isinstance(value, str) else json.dumps(value)
+        return True
+    except (TypeError, ValueError):  # not JSON text, or a dict holding something JSON cannot hold
+        return False
 
 
 def _cut(text, limit=80):
@@ -1658,7 +1664,7 @@ def parse_sampling_params(body, defaults, **extra):
             kwargs[name] = value
     kwargs.update(extra)
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, structured_outputs=structured_outputs_from_request(body))
     except ValueError as e:
         raise ServerError(str(e)) from None
 
@@ -2171,6 +2177,19 @@ def read_prompts(path):
     return prompts
 
 
+def read_structured_outputs(json_schema_path, regex):
+    if json_schema_path is not None and regex is not None:
+        raise ValueError("give --json-schema or --regex, not both")
+    if regex is not None:
+        return StructuredOutputsParams(regex=regex)
+    if json_schema_path is None:
+        return None
+    if not os.path.isfile(json_schema_path):
+        raise FileNotFoundError(f"--json-schema file {json_schema_path!r} does not exist")
+    with open(json_schema_path, encoding="utf-8") as f:
+        return StructuredOutputsParams(json=f.read())
+
+
 def build_arg_parser():
     e, s = EngineConfig(device="cpu"), SamplingParams()
     p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache")
@@ -2190,6 +2209,8 @@ def build_arg_parser():
     g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=s.seed)
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file: every output is JSON valid under it")
+    g.add_argument("--regex", metavar="PATTERN", help="every output fullmatches this regular expression")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=e.block_size)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
@@ -2214,6 +2235,7 @@ def run_cli(args):
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
+        structured_outputs=read_structured_outputs(args.json_schema, args.regex),
     )
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
