@@ -982,7 +982,7 @@ def build_arg_parser():
                                 epilog=f"Defaults that depend on the device and the workload: {sizes}.")
     p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
-                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])})")
+                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])}; structured: {','.join(DEFAULT_SYSTEMS['structured'])})")
     p.add_argument("--model", help=f"HF folder or .gguf file, or {RANDOM_QWEN3} (default: {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES], help="auto: bfloat16 on a GPU, float32 on a CPU")
     g = p.add_argument_group("workload sizes (defaults: see below)")
