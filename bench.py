@@ -22,6 +22,9 @@ Workloads (--workload):
     host            nanobatch alone: N sequences of --max-prompt-len random tokens prefill, then HOST_DECODE_STEPS
                     decode steps are timed, split into the model forward and the host's share (default: 256 x 2048
                     on a random tiny Llama, where the forward is cheap and the engine's per-step host work shows)
+    structured      N chat prompts asking for JSON, each constrained by one of a few JSON schemas
+                    (nanobatch-structured, greedy, ended by its grammar), against the same batch unconstrained
+                    (nanobatch) made to produce exactly as many tokens per request: the cost of the masks
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
@@ -49,6 +52,7 @@ Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transfor
 
 Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
+      python bench.py --workload structured                (JSON-schema constrained against unconstrained)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
@@ -79,14 +83,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 import nanobatch
-from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams
+from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams, StructuredOutputsParams
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "hf-generate", "hf-generate-batch"]
+SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch"]
 DEFAULT_SYSTEMS = {
     "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
+    "structured": ["nanobatch", "nanobatch-structured"],
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -98,6 +103,19 @@ WORKLOAD_DEFAULTS = {
     # host: every request has max_prompt_len tokens and decodes; the output lengths are not used
     ("cpu", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
     ("cuda", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
+    # structured: the prompts are chat prompts and the lengths come from the grammar; max_output_len caps them
+    ("cpu", "structured"): dict(num_requests=16, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=128, max_num_seqs=16),
+    ("cuda", "structured"): dict(num_requests=256, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=256, max_num_seqs=64),
+}
+STRING = {"type": "string", "maxLength": 40}
+STRUCTURED_SCHEMAS = {  # what the prompt asks for -> the JSON schema its output must follow
+    "a person": {"type": "object", "properties": {"name": STRING, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                                   "hobbies": {"type": "array", "items": STRING, "maxItems": 3}}, "required": ["name", "age"]},
+    "a book": {"type": "object", "properties": {"title": STRING, "author": STRING, "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
+                                                 "genre": {"enum": ["fiction", "history", "science", "poetry"]}}, "required": ["title", "author", "year"]},
+    "an address": {"type": "object", "properties": {"street": STRING, "city": STRING, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]},
+    "a product": {"type": "object", "properties": {"name": STRING, "price": {"type": "number", "minimum": 0, "maximum": 10000}, "in_stock": {"type": "boolean"},
+                                                    "tags": {"type": "array", "items": STRING, "maxItems": 4}}, "required": ["name", "price", "in_stock"]},
 }
 HOST_DECODE_STEPS = 16  # decode steps timed by --workload host
 RANDOM_TINY_LLAMA = "random-tiny-llama"  # --model value: the --workload host default, a 2-layer Llama built here
@@ -145,6 +163,7 @@ class Workload:
     prompts: list[list[int]]  # token ids of each request's prompt
     output_lens: list[int]  # output tokens each request must produce (EOS ignored)
     prefix_len: int = 0  # tokens shared by every prompt (shared-prefix)
+    schemas: list[dict] | None = None  # structured: each request's JSON schema
 
     @property
     def num_prompt_tokens(self):
@@ -182,6 +201,18 @@ def shared_prefix_workload(vocab_size, prefix_len, num_requests, min_prompt_len,
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     questions = random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=seed + 1)
     return Workload("shared-prefix", [prefix + q for q in questions.prompts], questions.output_lens, prefix_len)
+
+
+def structured_workload(llm, num_requests, max_output_len):
+    """Chat prompts asking for JSON, cycling over STRUCTURED_SCHEMAS. output_lens start as a cap: the
+    constrained run ends each request where its grammar ends, and sets them (see run_structured)."""
+    topics = list(STRUCTURED_SCHEMAS)
+    prompts, schemas = [], []
+    for i in range(num_requests):
+        what = topics[i % len(topics)]
+        prompts.append(llm.chat_prompt([{"role": "user", "content": f"Give {what} (example {i + 1}) as JSON."}])["prompt_token_ids"])
+        schemas.append(STRUCTURED_SCHEMAS[what])
+    return Workload("structured", prompts, [max_output_len] * num_requests, schemas=schemas)
 
 
 def make_workload(args, vocab_size):
@@ -290,14 +321,15 @@ class PeakMemory:
         return False
 
 
-def measure(name, run_fn, workload, warmup, device) -> tuple[SystemResult, Run]:
-    """One warm-up run (not counted), then the measured run, checked to produce every requested token."""
+def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemResult, Run]:
+    """One warm-up run (not counted), then the measured run, checked to produce every requested token
+    (exact=False: up to that many, for a run that its grammars end)."""
     print(f"[{name}] warm-up ...", file=sys.stderr, flush=True)
     run_fn(warmup)
     print(f"[{name}] {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
     with PeakMemory(device) as memory:
         run = run_fn(workload)
-    short = [i for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens)) if len(ids) != n]
+    short = [i for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens)) if len(ids) != n and (exact or len(ids) > n)]
     if short:
         i = short[0]
         raise RuntimeError(f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)")
@@ -361,6 +393,45 @@ def greedy(n):
 def sampled(n):
     """The seed quick-start's sampling parameters, with the same exact output length as greedy(n)."""
     return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True)
+
+
+def run_nanobatch_structured(llm, workload) -> Run:
+    """Every request constrained by a JSON schema, greedy; each ends where its grammar ends (or at its cap)."""
+    begin_engine_run(llm)
+    schemas = workload.schemas or [next(iter(STRUCTURED_SCHEMAS.values()))] * len(workload.prompts)  # the warm-up has none of its own
+    params = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(json=schema)) for n, schema in zip(workload.output_lens, schemas)]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return engine_run(llm, outputs, seconds, start)
+
+
+def run_structured(llm, workload, warmup, device, results, runs, details):
+    """--workload structured: the constrained batch first; its output lengths then become the workload's,
+    so the unconstrained run (EOS ignored) makes exactly as many tokens per request and tok/s compare."""
+    constrained, run = measure("nanobatch-structured", lambda wl: run_nanobatch_structured(llm, wl), workload, warmup, device, exact=False)
+    outputs = [llm.tokenizer.decode(ids, skip_special_tokens=True) for ids in run.output_ids]
+    num_valid = sum(valid_json(text, schema) for text, schema in zip(outputs, workload.schemas))
+    num_ended = sum(len(ids) < cap for ids, cap in zip(run.output_ids, workload.output_lens))
+    workload.output_lens = [len(ids) for ids in run.output_ids]
+    unconstrained, plain_run = measure("nanobatch", lambda wl: run_nanobatch(llm, wl), workload, warmup, device)
+    results += [unconstrained, constrained]
+    runs += [plain_run, run]
+    details.append(f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
+                   f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
+                   f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} valid under their schema")
+
+
+def valid_json(text, schema):
+    try:
+        import jsonschema
+
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except ImportError:
+        return isinstance(json.loads(text), (dict, list))
+    except (ValueError, jsonschema.ValidationError):
+        return False
 
 
 def load_nanobatch(model_path, args, **engine_config):
@@ -904,13 +975,17 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     bandwidth = copy_bandwidth(device) if args.roofline else None
     llm = load_nanobatch(model_path, args)
     workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size)
+    details = []
+    if args.workload == "structured":
+        workload = structured_workload(llm, args.num_requests, args.max_output_len)
+        run_structured(llm, workload, warmup, device, results, runs, details)
+        return workload, details
     runners = {
         "nanobatch": lambda wl: run_nanobatch(llm, wl),
         "nanobatch-sampled": lambda wl: run_nanobatch(llm, wl, params=sampled),
         "nanobatch-static": lambda wl: run_nanobatch_static(llm, wl),
         "nanobatch-no-prefix-cache": lambda wl: run_nanobatch(llm, wl, prefix_caching=False),
     }
-    details = []
     for name in [s for s in args.systems if s in runners]:
         result, run = measure(name, runners[name], workload, warmup, device)
         ideal = ideal_seconds(llm, workload) if name == "nanobatch" else None
@@ -1019,7 +1094,7 @@ def build_arg_parser():
                                 epilog=f"Defaults that depend on the device and the workload: {sizes}.")
     p.add_argument("--workload", choices=[*DEFAULT_SYSTEMS, "host"], default="random", help="host: nanobatch's host time per decode step only")
     p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
-                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])})")
+                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])}; structured: {','.join(DEFAULT_SYSTEMS['structured'])})")
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
@@ -1049,6 +1124,8 @@ def resolve_args(args):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
+    if args.workload == "structured" and sorted(args.systems) != sorted(DEFAULT_SYSTEMS["structured"]):
+        raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
     if args.model is None and args.workload == "host":
         args.model = RANDOM_TINY_LLAMA
     elif args.model is None and device == "cuda":

@@ -151,6 +151,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative", "delta" (new tokens only), "final_only"
+    structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
 
     def __post_init__(self):
         def bad(name, rule):
@@ -198,6 +199,8 @@ class SamplingParams:
                 bad(name, "must be a bool")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad("output_kind", "must be 'cumulative', 'delta' or 'final_only'")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -294,6 +297,7 @@ class Sequence:
     logprobs: list | None = None  # one {token id: Logprob} per output token, appended
     cumulative_logprob: float = 0.0
     output_counts: torch.Tensor | None = None  # (vocab,) int32 occurrences of each output token, for penalties; kept incrementally
+    matcher: object | None = None  # xgrammar.GrammarMatcher of a request with structured_outputs: the grammar state after this sequence's tokens
 
     @property
     def num_prompt_tokens(self):
@@ -1034,6 +1038,184 @@ def compute_logprobs(logits, token_ids, num_top):
     return chosen[:, 0].tolist(), ranks.tolist(), top.values.tolist(), top.indices.tolist()
 
 
+# ---- Structured outputs ----
+#
+# A constraint (JSON schema, regex, choice, EBNF grammar) becomes, through xgrammar, a
+# pushdown automaton over the tokenizer's vocabulary: compiled once per constraint text,
+# then one GrammarMatcher per sequence gives the tokens allowed next as a bitmask. Each
+# step masks the logits of the constrained rows before the sampler, and the sampled token
+# advances the matcher. EOS is one of the grammar's stop tokens, allowed exactly when the
+# grammar can end. xgrammar is imported only when a request asks for a constraint.
+
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output (vLLM's names): exactly one field is set."""
+
+    json: str | dict | None = None  # a JSON schema (a dict or its JSON text): the output is JSON valid under it
+    regex: str | None = None  # the output fullmatches this regular expression
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar in xgrammar's (llama.cpp GBNF-like) syntax, start rule `root`
+    json_object: bool = False  # the output is some JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self):
+        def bad(name, rule):
+            raise ValueError(f"StructuredOutputsParams.{name} {rule}, got {_cut(repr(getattr(self, name)))}")
+
+        if self.json is not None and not (isinstance(self.json, (str, dict)) and _is_json(self.json)):
+            bad("json", "must be a JSON schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                bad(name, "must be a non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            bad("choice", "must be a non-empty list of non-empty strings")
+        if not isinstance(self.json_object, bool):
+            bad("json_object", "must be a bool")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + ["json_object"] * self.json_object
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of json, regex, choice, grammar, json_object; got {', '.join(given) or 'none'}")
+
+    def spec(self):
+        """(field, kind, text): xgrammar compiles `text` as a `kind`; (kind, text) is the cache key."""
+        if self.json is not None:
+            return "json", "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.regex is not None:
+            return "regex", "regex", self.regex
+        if self.choice is not None:  # a grammar of string literals; JSON escaping is valid EBNF escaping
+            return "choice", "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        if self.grammar is not None:
+            return "grammar", "grammar", self.grammar
+        return "json_object", "json", '{"type": "object"}'
+
+
+class StructuredOutputManager:
+    """Compiles constraints (one xgrammar compiler per engine, built on first use; compiled
+    grammars cached by their text, as a server sees the same schema again and again) and
+    gives each sequence its own matcher."""
+
+    def __init__(self, tokenizer, vocab_size, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width, which may exceed the tokenizer's vocabulary
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.compiler = None
+        self.grammars = OrderedDict()  # (kind, text) -> xgrammar.CompiledGrammar, least recently used first
+
+    def compile(self, params: StructuredOutputsParams | None):
+        """The compiled grammar of a constraint (None for none); ValueError naming the field if it does not compile."""
+        if params is None:
+            return None
+        name, kind, text = params.spec()
+        if (kind, text) not in self.grammars:
+            self.grammars[kind, text] = self._compile(name, kind, text)
+            if len(self.grammars) > MAX_CACHED_GRAMMARS:
+                self.grammars.popitem(last=False)
+        self.grammars.move_to_end((kind, text))
+        return self.grammars[kind, text]
+
+    def _compile(self, name, kind, text):
+        import xgrammar
+
+        if self.compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
+            self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # the cache above is the one
+        # JSON comes out on one line (", " and ": " separators): given free whitespace, a small model can
+        # loop on newlines and tabs until max_tokens (SmolLM2-135M does); vLLM's disable_any_whitespace
+        compile = {"json": lambda t: self.compiler.compile_json_schema(t, any_whitespace=False),
+                   "regex": self.compiler.compile_regex, "grammar": self.compiler.compile_grammar}[kind]
+        try:
+            return compile(text)
+        except RuntimeError as e:  # xgrammar's C++ errors start with "[time] file.cc:line: "
+            reason = str(e).strip().split(": ", 1)[-1] if str(e).startswith("[") else str(e).strip()
+            raise ValueError(f"structured_outputs.{name} does not compile: {_cut(reason, 300)}") from None
+
+    def new_matcher(self, params: StructuredOutputsParams | None):
+        if params is None:
+            return None
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(self.compile(params))
+
+
+def apply_grammar_masks(logits, seqs):
+    """Sets to -inf, in place, the logits of the tokens each constrained row's grammar forbids
+    next; unconstrained rows cost nothing. logits (S, vocab) fp32, row i sampled for seqs[i]."""
+    rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+    if not rows:
+        return
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[1])  # (S, ceil(vocab / 32)) int32 on the CPU, all allowed
+    rows = [row for row in rows if seqs[row].matcher.fill_next_token_bitmask(bitmask, row)]  # False: every token allowed
+    if rows:
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def advance_grammar(seq, token_id):
+    # the mask allowed only tokens the grammar accepts, so a refusal is a bug, not bad input
+    if seq.matcher is not None and not seq.matcher.accept_token(token_id):
+        raise RuntimeError(f"the grammar of request {seq.request.request_id} refused token {token_id} that its mask allowed")
+
+
+def grammar_terminated(seq):
+    # the matcher ends after it accepts a stop token (EOS); with ignore_eos that is the only end
+    return seq.matcher is not None and seq.matcher.is_terminated()
+
+
+def structured_outputs_from_request(body):
+    """The constraint of an OpenAI-style request body, or None, from one of: response_format
+    ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}),
+    vLLM's `structured_outputs` object, or its legacy guided_json / guided_regex / guided_choice /
+    guided_grammar. A ValueError (a 400) names the field."""
+    given = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            schema = schema.get("schema") if isinstance(schema, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            given["response_format"] = {"json": schema}
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_cut(repr(kind))}")
+    if body.get("structured_outputs") is not None:
+        fields = body["structured_outputs"]
+        if not isinstance(fields, dict):
+            raise ValueError("structured_outputs must be an object with one of json, regex, choice, grammar, json_object")
+        unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported field(s) {unknown}; nanobatch takes json, regex, choice, grammar, json_object")
+        given["structured_outputs"] = {k: v for k, v in fields.items() if v is not None}
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(name) is not None:
+            given[name] = {name.removeprefix("guided_"): body[name]}
+    if len(given) > 1:
+        raise ValueError(f"give one structured output constraint, got {', '.join(given)}")
+    if not given:
+        return None
+    (name, fields), = given.items()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _is_json(value):
+    try:
+        json.loads(value) if isinstance(value, str) else json.dumps(value)
+        return True
+    except (TypeError, ValueError):  # not JSON text, or a dict holding something JSON cannot hold
+        return False
+
+
+def _cut(text, limit=80):
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # ---- Engine ----
 
 @dataclass
@@ -1097,6 +1279,7 @@ class LLM:
         self.request_counter = itertools.count()
         self.seq_counter = itertools.count()
         self.stats = EngineStats()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _resolve_max_model_len(self):
         limit = self.model_config.max_position_embeddings
@@ -1153,6 +1336,7 @@ class LLM:
         params = dataclasses.replace(params, **change)  # a copy (its lists too), as vLLM: the caller may reuse or change theirs
         text, token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
+        self.structured_outputs.compile(params.structured_outputs)  # a constraint that does not compile fails here, not mid-run
         return text, token_ids, params
 
     def _enqueue(self, text, token_ids, params, request_id=None):
@@ -1212,6 +1396,7 @@ class LLM:
         # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
         generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
         seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
+        seq.matcher = self.structured_outputs.new_matcher(request.params.structured_outputs)  # a fork starts before its first token: a fresh one
         request.seqs.append(seq)
         return seq
 
@@ -1267,8 +1452,9 @@ class LLM:
             seqs += family
         logits = logits[rows] if len(rows) != len(sampled_seqs) else logits  # (num_samples, vocab)
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
-        # logprobs are the model's own (vLLM's default): taken before penalties, bias and temperature
+        # logprobs are the model's own (vLLM's default): taken before grammar masks, penalties, bias and temperature
         raw = logits.clone() if sb.max_logprobs is not None else logits
+        apply_grammar_masks(logits, seqs)
         token_ids = sample(apply_penalties(logits, seqs, self.eos_token_ids), sb, self.generator)  # (num_samples,)
         logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
         return self._append_tokens(seqs, token_ids.tolist(), logprobs)
@@ -1349,6 +1535,7 @@ class LLM:
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token_id)
             params = seq.request.params
+            advance_grammar(seq, token_id)
             if seq.output_counts is not None:  # penalties: counts kept incrementally
                 seq.output_counts[token_id] += 1
             if logprobs is not None and params.logprobs is not None:
@@ -1397,6 +1584,8 @@ class LLM:
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif grammar_terminated(seq):
             seq.finish_reason = "stop"
         elif may_stop and params.stop and self._truncate_at_stop_string(seq, num_chars_before):
             seq.finish_reason = "stop"
@@ -2588,6 +2777,19 @@ def check_port_free(host, port):
         raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
 
 
+def read_structured_outputs(json_schema_path, regex):
+    if json_schema_path is not None and regex is not None:
+        raise ValueError("give --json-schema or --regex, not both")
+    if regex is not None:
+        return StructuredOutputsParams(regex=regex)
+    if json_schema_path is None:
+        return None
+    if not os.path.isfile(json_schema_path):
+        raise FileNotFoundError(f"--json-schema file {json_schema_path!r} does not exist")
+    with open(json_schema_path, encoding="utf-8") as f:
+        return StructuredOutputsParams(json=f.read())
+
+
 def build_arg_parser():
     e, s, c = EngineConfig(device="cpu", dtype="float32"), SamplingParams(), ServerConfig()  # argparse defaults = the dataclass defaults
     p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -2607,6 +2809,8 @@ def build_arg_parser():
     g.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end a sample")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--seed", type=int, default=s.seed, help="per-request seed; None: the engine's seed")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file: every output is JSON valid under it")
+    g.add_argument("--regex", metavar="PATTERN", help="every output fullmatches this regular expression")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="most sequences in one step")
@@ -2636,6 +2840,7 @@ def run_cli(args):
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
+        structured_outputs=read_structured_outputs(args.json_schema, args.regex),
     )
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

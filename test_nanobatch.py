@@ -2212,3 +2212,238 @@ def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
     config, params = EngineConfig(device="cpu"), SamplingParams()
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
     assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
+
+
+# ---- Tests: structured outputs ----
+
+import re
+
+from nanobatch import StructuredOutputsParams, structured_outputs_from_request
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 24}  # bounded strings (and items, numbers): every output fits in max_tokens
+SCHEMAS = [  # (what the prompt asks for, JSON schema)
+    ("a person", {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}),
+    ("a book", {"type": "object", "properties": {"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
+                                                  "isbn": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{10}$"}}, "required": ["title", "author", "year"]}),
+    ("a color", {"type": "object", "properties": {"name": {"enum": ["red", "green", "blue"]}, "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}, "required": ["name", "hex"]}),
+    ("a point in the plane", {"type": "object", "properties": {"x": {"type": "number", "minimum": -100, "maximum": 100}, "y": {"type": "number", "minimum": -100, "maximum": 100}}, "required": ["x", "y"]}),
+    ("a postal address", {"type": "object", "properties": {"street": NAME, "city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}),
+    ("a company and its CEO", {"type": "object", "properties": {"company": NAME, "ceo": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 18, "maximum": 99}}, "required": ["name", "age"]}}, "required": ["company", "ceo"]}),
+    ("some tags for a blog post", {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}}, "required": ["tags"]}),
+    ("a todo item", {"type": "object", "properties": {"task": NAME, "done": {"type": "boolean"}, "priority": {"enum": ["low", "medium", "high"]}}, "required": ["task", "done", "priority"]}),
+    ("the weather in a city", {"type": "object", "properties": {"city": NAME, "temperature": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"enum": ["C", "F"]}}, "required": ["city", "temperature", "unit"]}),
+    ("a product", {"type": "object", "properties": {"name": NAME, "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000}, "in_stock": {"type": "boolean"},
+                                                     "discount": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["name", "price", "in_stock"]}),
+    ("a small matrix of integers", {"type": "object", "properties": {"rows": {"type": "array", "maxItems": 3, "minItems": 1, "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": -9, "maximum": 9}}}}, "required": ["rows"]}),
+    ("an event with a date", {"type": "object", "properties": {"title": NAME, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}, "required": ["title", "date"]}),
+    ("a user account", {"type": "object", "properties": {"user": {"type": "string", "pattern": "^[a-z]{1,12}$"}, "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}}, "required": ["user", "email"]}),
+    ("a recipe", {"type": "object", "properties": {"name": NAME, "ingredients": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {"item": NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 1000}}, "required": ["item", "grams"]}}}, "required": ["name", "ingredients"]}),
+    ("an answer to: is the sky blue?", {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]}),
+    ("a movie review", {"type": "object", "properties": {"title": NAME, "rating": {"type": "integer", "minimum": 1, "maximum": 10}, "genres": {"type": "array", "maxItems": 3, "items": {"enum": ["action", "comedy", "drama", "horror"]}}}, "required": ["title", "rating"]}),
+    ("a phone contact", {"type": "object", "properties": {"name": NAME, "phone": {"type": "string", "pattern": "^\\+1-[0-9]{3}-[0-9]{3}-[0-9]{4}$"}}, "required": ["name", "phone"]}),
+    ("a software team", {"type": "object", "properties": {"team": NAME, "members": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {"name": NAME, "role": {"enum": ["dev", "pm", "qa"]}}, "required": ["name", "role"]}}}, "required": ["team", "members"]}),
+    ("three lucky digits", {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 3}),
+    ("a user profile", {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 10**6}, "nickname": {"anyOf": [NAME, {"type": "null"}]}, "verified": {"type": "boolean"}}, "required": ["id", "nickname"]}),
+    ("a planet", {"type": "object", "properties": {"name": NAME, "moons": {"type": "integer", "minimum": 0, "maximum": 200}, "star": {"type": "object", "properties": {"name": NAME, "kind": {"enum": ["dwarf", "giant"]}}, "required": ["name", "kind"]}}, "required": ["name", "moons", "star"]}),
+    ("a software release", {"type": "object", "properties": {"version": {"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,2}$"}, "stable": {"type": "boolean"}}, "required": ["version", "stable"]}),
+]
+
+
+def json_prompt(llm, what):
+    return llm.chat_prompt([{"role": "user", "content": f"Give {what} as JSON."}])
+
+
+def constrained(max_tokens=200, **kw):
+    sampling = {k: kw.pop(k) for k in ("temperature", "n", "seed", "ignore_eos") if k in kw}
+    return SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}, structured_outputs=StructuredOutputsParams(**kw))
+
+
+def test_json_schemas_greedy_and_sampled_validate(default_llm):
+    """Every output of 22 schemas, greedy and 3 seeded samples each, parses, validates and ends with "stop"."""
+    jsonschema = pytest.importorskip("jsonschema")
+    prompts, params = [], []
+    for i, (what, schema) in enumerate(SCHEMAS):
+        prompts += [json_prompt(default_llm, what)] * 2
+        params += [constrained(json=schema), constrained(json=json.dumps(schema), temperature=0.8, n=3, seed=100 * i)]
+    outputs = default_llm.generate(prompts, params, use_tqdm=False)
+    for i, (what, schema) in enumerate(SCHEMAS):
+        for c in outputs[2 * i].outputs + outputs[2 * i + 1].outputs:
+            assert c.finish_reason == "stop", (what, c.text)
+            jsonschema.validate(json.loads(c.text), schema)
+    assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
+
+
+def test_choice_regex_and_grammar(default_llm):
+    import re
+
+    grammar = 'root ::= "The answer is " digit "." \ndigit ::= [0-9]'
+    cases = [  # (prompt, constraint, check)
+        ("Is Paris in France?", dict(choice=["yes", "no", 'maybe "so"']), lambda t: t in ["yes", "no", 'maybe "so"']),
+        ("Pick a fruit.", dict(choice=["apple", "banana", "cherry"], temperature=1.0, n=4, seed=3), lambda t: t in ["apple", "banana", "cherry"]),
+        ("What is the date of the French revolution?", dict(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), lambda t: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t)),
+        ("Write an email address.", dict(regex=r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", temperature=0.9, n=3, seed=5), lambda t: re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", t)),
+        ("What is 3 + 4?", dict(grammar=grammar), lambda t: re.fullmatch(r"The answer is [0-9]\.", t)),
+        ("What is 2 + 2?", dict(grammar=grammar, temperature=1.0, n=2, seed=7), lambda t: re.fullmatch(r"The answer is [0-9]\.", t)),
+        ("Give a person with a name and an age as JSON.", dict(json_object=True, max_tokens=100), lambda t: isinstance(json.loads(t), dict)),
+    ]
+    prompts = [default_llm.chat_prompt([{"role": "user", "content": p}]) for p, _, _ in cases]
+    outputs = default_llm.generate(prompts, [constrained(**{"max_tokens": 40, **kw}) for _, kw, _ in cases], use_tqdm=False)
+    for (prompt, kw, check), out in zip(cases, outputs):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and check(c.text), (prompt, kw, c.text)
+            assert c.token_ids[-1] in default_llm.eos_token_ids, "the grammar ends with EOS, kept in token_ids as an unconstrained EOS is"
+
+
+def test_unconstrained_rows_unchanged_by_constrained_neighbours(folder_llm):
+    chats = [folder_llm.chat_prompt([{"role": "user", "content": q}]) for q in ["Tell me about cats.", "What is the capital of Italy?"]]
+    plain = SamplingParams(max_tokens=24, **GREEDY)
+    alone = folder_llm.generate(chats, plain, use_tqdm=False)
+    mixed = folder_llm.generate([chats[0], json_prompt(folder_llm, "a person"), chats[1], json_prompt(folder_llm, "a color")],
+                                [plain, constrained(json=SCHEMAS[0][1]), plain, constrained(json=SCHEMAS[2][1], temperature=0.7, n=2, seed=1)], use_tqdm=False)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
+    for out, schema in [(mixed[1], SCHEMAS[0][1]), (mixed[3], SCHEMAS[2][1])]:
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and json.loads(c.text).keys() == schema["properties"].keys()
+
+
+def test_preemption_keeps_constrained_output(default_folder, folder_llm):
+    """A pool too small for the batch preempts sequences mid-JSON; re-admitted, they keep their matcher state."""
+    jsonschema = pytest.importorskip("jsonschema")
+    picks = [SCHEMAS[i] for i in (0, 5, 13, 17)]
+    prompts = [json_prompt(folder_llm, what) for what, _ in picks]
+    params = [constrained(json=schema, ignore_eos=True, max_tokens=120) for _, schema in picks]  # ignore_eos: the grammar still ends it
+    expected = folder_llm.generate(prompts, params, use_tqdm=False)
+    small = LLM(model=default_folder, num_kv_blocks=12, block_size=16, **CPU)
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats.num_preemptions > 0, "the pool was meant to be too small"
+    for (what, schema), e, g in zip(picks, expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids and g.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(g.outputs[0].text), schema)
+    assert small.allocator.num_free_blocks == small.allocator.num_blocks
+
+
+def test_grammars_are_compiled_once_and_lazily(tiny_llm):
+    so = tiny_llm.structured_outputs
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    first = so.compile(params)
+    assert so.compile(StructuredOutputsParams(json=json.dumps(params.json))) is first, "cached by the schema's text"
+    assert so.compile(None) is None
+
+
+def test_lazy_import_without_constraints():
+    code = "import sys, nanobatch; nanobatch.SamplingParams(); assert 'xgrammar' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(), "exactly one of json, regex, choice, grammar, json_object; got none"),
+    (dict(json={"type": "object"}, regex="a+"), "got json, regex"),
+    (dict(choice=["a"], json_object=True), "got choice, json_object"),
+    (dict(json="{not json"), "StructuredOutputsParams.json must be a JSON schema"),
+    (dict(json=3), "StructuredOutputsParams.json must be a JSON schema"),
+    (dict(regex=""), "StructuredOutputsParams.regex must be a non-empty string"),
+    (dict(choice=[]), "StructuredOutputsParams.choice must be a non-empty list"),
+    (dict(choice=["a", 1]), "StructuredOutputsParams.choice must be a non-empty list"),
+    (dict(grammar=5), "StructuredOutputsParams.grammar must be a non-empty string"),
+    (dict(json_object="yes"), "StructuredOutputsParams.json_object must be a bool"),
+])
+def test_invalid_structured_outputs_params(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(regex="(["), "structured_outputs.regex does not compile"),
+    (dict(grammar="root ::= missing"), "structured_outputs.grammar does not compile"),
+    (dict(json={"type": "strange"}), "structured_outputs.json does not compile"),
+])
+def test_constraint_that_does_not_compile_fails_at_add_request(tiny_llm, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_llm.add_request("hi", constrained(**kwargs))
+    with pytest.raises(ValueError, match=re.escape("prompt 1: " + message)):
+        tiny_llm.generate(["hi", "there"], [SamplingParams(max_tokens=2), constrained(**kwargs)], use_tqdm=False)
+    assert not tiny_llm.has_unfinished_requests()
+    assert len(tiny_llm.generate("hi", constrained(choice=["a", "b"]), use_tqdm=False)[0].outputs[0].text) == 1, "the engine stays usable"
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}}}, StructuredOutputsParams(json={"type": "object"})),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+    ({"structured_outputs": {"choice": ["a", "b"], "json": None}}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"guided_json": '{"type": "object"}'}, StructuredOutputsParams(json='{"type": "object"}')),
+    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+    ({"guided_choice": ["x", "y"]}, StructuredOutputsParams(choice=["x", "y"])),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+])
+def test_request_fields_map_to_structured_outputs(body, expected):
+    assert structured_outputs_from_request(body) == expected
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"response_format": {"type": "xml"}}, "response_format.type must be"),
+    ({"response_format": "json"}, "response_format.type must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema must be a JSON schema object"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs: StructuredOutputsParams takes exactly one"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs: unsupported field(s) ['whitespace_pattern']"),
+    ({"structured_outputs": "json"}, "structured_outputs must be an object"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "give one structured output constraint, got guided_json, guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "give one structured output constraint, got response_format, guided_choice"),
+    ({"guided_choice": "ab"}, "guided_choice: StructuredOutputsParams.choice must be"),
+])
+def test_bad_request_fields_name_the_problem(body, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        structured_outputs_from_request(body)
+
+
+def test_openai_client_response_format_and_parse(folder_llm):
+    """The official client against --serve (today's start_server): a JSON schema in response_format,
+    beta.chat.completions.parse with a pydantic model, and a 400 that names the problem."""
+    import openai
+    import pydantic
+    from openai import OpenAI
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=40)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    srv, url = start_server(folder_llm, "127.0.0.1", 0)
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Give a person as JSON."}]
+        schema = SCHEMAS[7][1]
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give a todo item as JSON."}], max_tokens=200, temperature=0,
+                                              response_format={"type": "json_schema", "json_schema": {"name": "todo", "schema": schema, "strict": True}})
+        assert chat.choices[0].finish_reason == "stop"
+        pytest.importorskip("jsonschema").validate(json.loads(chat.choices[0].message.content), schema)
+        parsed = client.beta.chat.completions.parse(model=model, messages=messages, max_tokens=200, temperature=0, response_format=Person)
+        person = parsed.choices[0].message.parsed
+        assert isinstance(person, Person) and 0 <= person.age <= 120
+        completion = client.completions.create(model=model, prompt="The answer is", max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+        assert completion.choices[0].text in ["yes", "no"]
+        with pytest.raises(openai.BadRequestError, match="structured_outputs.regex does not compile"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(["}})
+    finally:
+        srv.stop()
+    assert folder_llm.allocator.num_free_blocks == folder_llm.allocator.num_blocks
+
+
+def test_cli_json_schema_and_regex(tiny_models, tmp_path):
+    """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes sense of it)."""
+    folder = tiny_models["llama-gqa-untied"][0]
+    (tmp_path / "prompts.txt").write_text("Hello\nThe capital of France is\n")
+    (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    common = ["--model", folder, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "30", "--num-kv-blocks", "64", "--output", str(tmp_path / "out.jsonl")]
+    for flag, value, check in [("--json-schema", str(tmp_path / "schema.json"), lambda t: isinstance(json.loads(t)["ok"], bool)),
+                               ("--regex", "[0-9]{3}-[a-c]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t))]:
+        r = run_cli(*common, flag, value)
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(row["finish_reason"] == "stop" and check(row["text"]) for row in rows), rows
+    r = run_cli(*common, "--regex", "a", "--json-schema", str(tmp_path / "schema.json"))
+    assert r.returncode == 1 and r.stderr.strip() == "error: give --json-schema or --regex, not both"
