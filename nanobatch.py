@@ -2059,7 +2059,8 @@ def request_models():
             """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
             given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__}
             try:
-                return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields})
+                constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
+                return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
             except ValueError as e:
                 raise ServerError(str(e)) from None
 
@@ -2079,6 +2080,7 @@ def request_models():
         stream_options: StreamOptions | None = None
         # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
         use_beam_search: Any = None
+        # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
         response_format: Any = None
         structured_outputs: Any = None
         guided_json: Any = None
@@ -2137,10 +2139,8 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     "use_beam_search": (lambda v, body: bool(v), "nanobatch has no beam search (ask for n samples instead)"),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
-    "response_format": (lambda v, body: v not in (None, {"type": "text"}), "structured outputs are not implemented"),
-    **{name: (lambda v, body: v is not None, "structured outputs are not implemented")
-       for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
 }
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def reject_unsupported(body):

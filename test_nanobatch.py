@@ -2004,13 +2004,7 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("completions", "suffix", "!"),
     ("completions", "best_of", 3),
     ("completions", "use_beam_search", True),
-    ("completions", "guided_json", {"type": "object"}),
-    ("completions", "guided_regex", "[a-z]+"),
-    ("completions", "guided_choice", ["yes", "no"]),
-    ("completions", "structured_outputs", {"json": {"type": "object"}}),
-    ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("chat", "guided_grammar", "root ::= \"a\""),
     ("chat", "use_beam_search", True),
 ]
 
