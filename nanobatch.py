@@ -2057,7 +2057,7 @@ def request_models():
 
         def sampling_params(self, **fields):
             """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
-            given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__}
+            given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS}
             try:
                 constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
                 return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
