@@ -1533,3 +1533,68 @@ def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
     assert status == 500 and "simulated failure" in answer["error"]["message"]
     wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
+
+
+# ---- Tests: beam search ----
+
+from nanobatch import BeamSearchParams  # noqa: E402
+
+
+def hf_beams(model, prompt_ids, k, max_new_tokens, eos_ids):
+    """HF transformers' beam search of one prompt: the k returned sequences (outputs only, padding cut)
+    and their scores. eos_ids: the EOS tokens, or None to ignore EOS."""
+    model.generation_config.eos_token_id = eos_ids
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=1.0,
+                         early_stopping=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=eos_ids[0] if eos_ids else 0,
+                         return_dict_in_generate=True, output_scores=True)
+    sequences = []
+    for row in out.sequences[:, len(prompt_ids) :].tolist():
+        ends = [i for i, t in enumerate(row) if eos_ids and t in eos_ids]
+        sequences.append(row[: ends[0] + 1] if ends else row)  # a finished beam is padded with EOS after its EOS
+    return sequences, out.sequences_scores.tolist()
+
+
+def check_beams_match_hf(llm, model, prompts, k, max_tokens, ignore_eos):
+    eos_ids = None if ignore_eos else sorted(llm.eos_token_ids)
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    num_stopped = 0
+    for prompt, out in zip(prompts, outputs):
+        prompt_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        expected, scores = hf_beams(model, prompt_ids, k, max_tokens, eos_ids)
+        got = [s.tokens[len(prompt_ids) :] for s in out.sequences]
+        assert got == expected, f"beam width {k}, prompt of {len(prompt_ids)} tokens, ignore_eos={ignore_eos}"
+        for s, score in zip(out.sequences, scores):
+            assert s.tokens[: len(prompt_ids)] == prompt_ids
+            assert s.cum_logprob / len(s.tokens[len(prompt_ids) :]) == pytest.approx(score, abs=1e-3)
+            assert s.finish_reason == ("stop" if not ignore_eos and s.tokens[-1] in llm.eos_token_ids else "length")
+            num_stopped += s.finish_reason == "stop"
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks and not llm.has_unfinished_requests()
+    return outputs, num_stopped
+
+
+def beam_prompts(llm, tokenizer):
+    """4 chat questions with short answers (the beams meet EOS) and 4 passage snippets."""
+    questions = ["What is 2 + 2? Answer with a number.", "Name one primary color.", "Say hello.", "Is the sky blue? Answer yes or no."]
+    return [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions] + passage_prompts(tokenizer, [6, 17, 33, 50])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_matches_hf_on_the_default_model(folder_llm, default_hf, k):
+    """8 prompts, beam widths 2 and 4, EOS respected and ignored: the k sequences and their order == HF generate(num_beams=k)."""
+    model, tokenizer = default_hf
+    prompts = beam_prompts(folder_llm, tokenizer)
+    _, num_stopped = check_beams_match_hf(folder_llm, model, prompts, k, 14, ignore_eos=False)
+    assert num_stopped > 0, "some beams end with EOS"
+    check_beams_match_hf(folder_llm, model, prompts, k, 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qk-norm"])
+def test_beam_search_matches_hf_on_tiny_models(tiny_models, family):
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 9, 17, 30)]
+    for k in (2, 4):
+        check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=True)
+        check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=False)
