@@ -1413,7 +1413,7 @@ class LLM:
             if seq.request.beam is None:
                 keep.append(row)
             else:
-                seq.request.beam.rows[seq] = logits[row]
+                seq.request.beam.rows[seq] = logits[row].clone()  # a group may wait for its other beams past this step
                 groups[seq.request] = None
         if not groups:
             return [], sampled_seqs, logits
@@ -1439,8 +1439,7 @@ class LLM:
         return None
 
     def _finish_beams(self, request):
-        for seq in request.seqs:
-            seq.finish_reason = "stop"
+        for seq in request.seqs:  # the live beams: their blocks go back, the hypotheses are the output
             self.scheduler.finish(seq)
         del self.requests[request.request_id]  # it ends exactly once
         now = time.perf_counter()
@@ -1700,11 +1699,9 @@ def parse_sampling_params(body, defaults, **extra):
 
 def parse_generate(body):
     """vLLM's demo /generate: {"prompt", "stream", "use_beam_search", sampling fields..., "logprobs"}."""
-    if body.get("use_beam_search"):
-        raise ServerError("use_beam_search is not supported: nanobatch has no beam search (ask for n samples instead)")
-    unknown = sorted(set(body) - {"prompt", "stream", "use_beam_search", "logprobs", *SAMPLING_FIELDS})
+    unknown = sorted(set(body) - {"prompt", "stream", "use_beam_search", "length_penalty", "logprobs", *SAMPLING_FIELDS})
     if unknown:
-        raise ServerError(f"unknown field(s) {unknown}; /generate takes prompt, stream, logprobs, use_beam_search and {', '.join(SAMPLING_FIELDS)}")
+        raise ServerError(f"unknown field(s) {unknown}; /generate takes prompt, stream, logprobs, use_beam_search, length_penalty and {', '.join(SAMPLING_FIELDS)}")
     if not isinstance(body.get("prompt"), str):
         raise ServerError(f"'prompt' is required and must be a string, got {shown(body.get('prompt'))}")
     stream = json_field(body, "stream", "bool", False)
@@ -1717,10 +1714,28 @@ def parse_openai_common(body):
         if body.get(name) is not None and body[name] not in off:
             raise ServerError(f"'{name}' is not supported by nanobatch")
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ServerError("'best_of' is not supported by nanobatch (it has no beam search); use n")
+        raise ServerError("'best_of' is not supported by nanobatch; use n (or use_beam_search with n beams)")
     stream = json_field(body, "stream", "bool", False)
     include_usage = json_field(json_field(body, "stream_options", "dict", {}), "include_usage", "bool", False)
     return stream, include_usage
+
+
+def beam_search_params(body, params, stream):
+    """vLLM's `use_beam_search` (/generate, and an extra field of /v1/completions): beam search with
+    n beams, the n best returned, best first. The engine runs the BeamSearchParams; the response is
+    shaped by params (n outputs) as for sampling. None when the request does not ask for beams."""
+    if not json_field(body, "use_beam_search", "bool", False):
+        return None
+    if stream:
+        raise ServerError("use_beam_search does not stream (the beams are known only at the end); send stream: false")
+    taken = [name for name in ("stop", "stop_token_ids", "logprobs", "seed", "top_p", "top_k", "min_p") if body.get(name) not in (None, [])]
+    if taken:
+        raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=json_field(body, "temperature", "number", 0.0), length_penalty=json_field(body, "length_penalty", "number", 1.0))
+    except ValueError as e:
+        raise ServerError(str(e)) from None
 
 
 def parse_completion(body):
@@ -1985,12 +2000,15 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
     # -- endpoints --
 
     def on_generate(self):
-        prompt, params, stream = parse_generate(self.read_json())
-        self.run_request(f"gen-{uuid.uuid4().hex}", prompt, None, params, stream, GenerateFormat(params))
+        body = self.read_json()
+        prompt, params, stream = parse_generate(body)
+        beam = beam_search_params(body, params, stream)  # the engine runs the beams; the response shows n outputs
+        self.run_request(f"gen-{uuid.uuid4().hex}", prompt, None, params, stream, GenerateFormat(params), engine_params=beam)
 
     def on_completions(self):
-        prompt, params, stream, include_usage = parse_completion(self.read_json())
-        self.run_openai(prompt, None, params, stream, include_usage, chat=False)
+        body = self.read_json()
+        prompt, params, stream, include_usage = parse_completion(body)
+        self.run_openai(prompt, None, params, stream, include_usage, chat=False, engine_params=beam_search_params(body, params, stream))
 
     def on_chat(self):
         messages, params, stream, include_usage = parse_chat(self.read_json())
@@ -2006,13 +2024,13 @@ class RequestHandler(http.server.BaseHTTPRequestHandler):
 
     # -- running a request --
 
-    def run_openai(self, prompt, messages, params, stream, include_usage, chat):
+    def run_openai(self, prompt, messages, params, stream, include_usage, chat, engine_params=None):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = OpenAIFormat(chat, request_id, self.server.model_name, params, include_usage)
-        self.run_request(request_id, prompt, messages, params, stream, fmt)
+        self.run_request(request_id, prompt, messages, params, stream, fmt, engine_params)
 
-    def run_request(self, request_id, prompt, messages, params, stream, fmt):
-        outbox = self.server.engine.submit(request_id, prompt, params, messages)
+    def run_request(self, request_id, prompt, messages, params, stream, fmt, engine_params=None):
+        outbox = self.server.engine.submit(request_id, prompt, engine_params or params, messages)
         self.next_client_check = time.monotonic() + CLIENT_CHECK_SECONDS
         outputs = self.outputs(request_id, outbox)
         if not stream:
@@ -2225,6 +2243,7 @@ def build_arg_parser():
     g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=s.seed)
+    g.add_argument("--beam-width", type=int, default=None, help="beam search with K beams instead of sampling (prints the K best, best first)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=e.block_size)
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
@@ -2250,6 +2269,8 @@ def run_cli(args):
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
     )
+    if args.beam_width is not None:  # the K best beams come out as the K outputs of each prompt
+        params = BeamSearchParams(args.beam_width, max_tokens=args.max_tokens or SamplingParams.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

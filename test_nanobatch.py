@@ -1468,7 +1468,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
     ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("/generate", {"prompt": "hi", "use_beam_search": True}, "no beam search"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
     ("/v1/completions", {"model": "x"}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per"),
@@ -1598,3 +1598,95 @@ def test_beam_search_matches_hf_on_tiny_models(tiny_models, family):
     for k in (2, 4):
         check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=True)
         check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=False)
+
+
+def test_beam_groups_beside_ordinary_requests(tiny_models):
+    """Beam groups and ordinary requests (greedy, n=2 sampled) in one batch: each comes out as it does alone."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=128, block_size=8, **CPU)
+    prompts = [list(range(10, 31)), list(range(200, 213)), list(range(50, 77)), list(range(300, 309)), list(range(10, 31))]
+    params = [
+        SamplingParams(max_tokens=10, **GREEDY),
+        BeamSearchParams(beam_width=3, max_tokens=10),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+        BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
+        BeamSearchParams(beam_width=4, max_tokens=9, ignore_eos=True),  # the same prompt as the greedy request: prefix-cache hits
+    ]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats.num_steps <= 14, "they ran in the same batches (12 tokens at most + the prefill step)"
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+        assert len(out.outputs) == (p.beam_width if isinstance(p, BeamSearchParams) else p.n)
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def run_beam_group(llm, prompt, params):
+    """Step one beam group alone; returns its output and, per step, (distinct blocks the group holds,
+    blocks its beams would hold as independent sequences of the same lengths)."""
+    request_id = llm.add_request(prompt, params)
+    request, usage = llm.requests[request_id], []
+    while llm.has_unfinished_requests():
+        outputs = llm.step()
+        live = [s for s in request.seqs if s.status != nanobatch.FINISHED]
+        if live:
+            usage.append((len({b for s in live for b in s.block_ids}), sum(len(s.block_ids) for s in live)))
+    assert [o.request_id for o in outputs] == [request_id]
+    return outputs[0], usage
+
+
+def test_beam_group_shares_blocks_and_frees_them(tiny_models):
+    """4 beams on a 40-token prompt: the full prompt blocks are held once, a beam that takes over
+    another's history shares its blocks, and the peak stays well below 4 independent sequences."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=64, block_size=8, **CPU)
+    out, usage = run_beam_group(llm, list(range(100, 140)), BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 20 for c in out.outputs)
+    peak_group, peak_independent = max(u[0] for u in usage), max(u[1] for u in usage)
+    assert peak_group < peak_independent and all(held <= apart for held, apart in usage)
+    assert peak_group <= 5 + 4 * 3, "5 shared prompt blocks + at most 3 own blocks per beam for 20 tokens"
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks and all(r == 0 for r in llm.allocator.ref_counts)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_beam_groups_under_preemption(tiny_models, prefix_caching):
+    """A pool so small that beam groups are preempted (as a whole) and recomputed: same beams, every block back."""
+    folder = tiny_models["llama-gqa-untied"][0]
+    prompts = [list(range(20, 41)), list(range(20, 41)), list(range(400, 417)), list(range(90, 110)), list(range(700, 719))]
+    params = [BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True), BeamSearchParams(beam_width=3, max_tokens=12),
+              SamplingParams(max_tokens=12, **GREEDY), BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
+    roomy = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU).generate(prompts, params, use_tqdm=False)
+    small = LLM(model=folder, num_kv_blocks=22, block_size=8, enable_prefix_caching=prefix_caching, **CPU)  # one 4-beam group needs up to 20
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats.num_preemptions > 0
+    for a, b in zip(roomy, outputs):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert small.allocator.num_free_blocks == small.allocator.num_blocks and all(r == 0 for r in small.allocator.ref_counts)
+
+
+def test_beam_search_bad_input(tiny_llm):
+    for kwargs, message in [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
+                            (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"), (dict(beam_width=2, max_tokens=4, length_penalty=math.nan), "length_penalty")]:
+        with pytest.raises(ValueError, match=message):
+            BeamSearchParams(**kwargs)
+    with pytest.raises(ValueError, match="KV blocks"):  # 8 beams of 700 tokens cannot fit 48 blocks of 16
+        tiny_llm.beam_search([list(range(600))], BeamSearchParams(beam_width=8, max_tokens=100))
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        tiny_llm.beam_search(["hi"], SamplingParams())
+    out = tiny_llm.beam_search([list(range(5))], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.sequences) == 2 and out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_server_beam_search(server, server_model_dir):
+    """/generate with use_beam_search returns the n beams (vLLM's demo shape); /v1/completions takes it as an extra with n beams."""
+    llm = LLM(model=server_model_dir, num_kv_blocks=64, block_size=16, **CPU)
+    prompt = "The capital of France is"
+    best = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
+    status, answer = post(server, "/generate", {"prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True})
+    assert status == 200 and answer["text"] == [prompt + s.text for s in best]
+    status, answer = post(server, "/v1/completions", {"model": "m", "prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+    assert status == 200 and [c["text"] for c in answer["choices"]] == [s.text for s in best]
+    assert answer["usage"]["completion_tokens"] == 18
+    status, answer = post(server, "/generate", {"prompt": prompt, "n": 2, "use_beam_search": True, "top_p": 0.5})
+    assert status == 400 and "top_p" in answer["error"]["message"]
+    wait_all_blocks_free(server)
