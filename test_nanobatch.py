@@ -1656,8 +1656,17 @@ def test_beam_groups_under_preemption(tiny_models, prefix_caching):
               SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
     roomy = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU).generate(prompts, params, use_tqdm=False)
     small = LLM(model=folder, num_kv_blocks=22, block_size=8, enable_prefix_caching=prefix_caching, **CPU)  # one 4-beam group needs up to 20
+    preempted_groups, preempt = [], small.scheduler._preempt
+
+    def spy(seq, batch):  # a beam group leaves as a whole: none of its beams stays running or in the batch
+        preempt(seq, batch)
+        if seq.request.beam is not None:
+            preempted_groups.append(seq.request)
+            assert all(s.status == nanobatch.WAITING and s not in batch.seqs for s in seq.request.seqs)
+
+    small.scheduler._preempt = spy
     outputs = small.generate(prompts, params, use_tqdm=False)
-    assert small.stats.num_preemptions > 0
+    assert preempted_groups, "a beam group was preempted"
     for a, b in zip(roomy, outputs):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert small.allocator.num_free_blocks == small.allocator.num_blocks and all(r == 0 for r in small.allocator.ref_counts)
