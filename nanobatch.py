@@ -19,7 +19,7 @@ One engine step, top to bottom of this file:
     -> append token, check stop -> RequestOutput
 
 Sections: Config | Sampling parameters and outputs | Requests and sequences |
-Block allocator | Scheduler | Model | Loading | Sampler | Engine | Server | CLI
+Block allocator | Scheduler | Model | Loading | Sampler | Beam search | Engine | Server | CLI
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
