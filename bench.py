@@ -13,6 +13,10 @@ tokens per second compare like with like:
     nanobatch-no-prefix-cache   nanobatch with enable_prefix_caching=False (the shared-prefix workload)
     hf-generate                 HF transformers generate on left-padded static batches of max_num_seqs
     hf-generate-batch           HF transformers' own continuous batching (the manager behind generate_batch)
+    nanobatch-beam              beam search (--workload beam): llm.beam_search's beam groups, one request each,
+                                their beams on shared copy-on-write KV blocks, continuously batched
+    hf-beam                     HF generate(num_beams=k, num_return_sequences=k) on left-padded static batches
+                                of max_num_seqs // k prompts (k beams each: the same seats as nanobatch)
 
 Workloads (--workload):
     random          N requests, prompt and output lengths uniform in the given ranges, random token ids
@@ -25,6 +29,10 @@ Workloads (--workload):
     structured      N chat prompts asking for JSON, each constrained by one of a few JSON schemas
                     (nanobatch-structured, greedy, ended by its grammar), against the same batch unconstrained
                     (nanobatch) made to produce exactly as many tokens per request: the cost of the masks
+    beam            N random prompts, beam search of width --beam-width (EOS ignored) to --max-output-len tokens
+                    each; tokens count every returned beam (k x output length per request), "same out" compares
+                    all k beams in order, and nanobatch also reports its peak KV blocks next to the blocks the same
+                    beams would hold unshared (k independent sequences of the same lengths)
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
@@ -53,6 +61,7 @@ Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transfor
 Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
       python bench.py --workload structured                (JSON-schema constrained against unconstrained)
+      python bench.py --workload beam --beam-width 4       (beam search: nanobatch next to HF's)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
@@ -83,15 +92,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 import nanobatch
-from nanobatch import LLM, EngineConfig, EngineStats, SamplingParams, StructuredOutputsParams
+from nanobatch import LLM, BeamSearchParams, EngineConfig, EngineStats, SamplingParams, StructuredOutputsParams
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch"]
+SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam"]
 DEFAULT_SYSTEMS = {
     "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
     "structured": ["nanobatch", "nanobatch-structured"],
+    "beam": ["nanobatch-beam", "hf-beam"],
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -106,7 +116,10 @@ WORKLOAD_DEFAULTS = {
     # structured: the prompts are chat prompts and the lengths come from the grammar; max_output_len caps them
     ("cpu", "structured"): dict(num_requests=16, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=128, max_num_seqs=16),
     ("cuda", "structured"): dict(num_requests=256, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=256, max_num_seqs=64),
+    ("cpu", "beam"): dict(num_requests=16, min_prompt_len=16, max_prompt_len=64, min_output_len=32, max_output_len=32, max_num_seqs=16),
+    ("cuda", "beam"): dict(num_requests=64, min_prompt_len=100, max_prompt_len=512, min_output_len=128, max_output_len=128, max_num_seqs=64),
 }
+DEFAULT_BEAM_WIDTH = 4
 STRING = {"type": "string", "maxLength": 40}
 STRUCTURED_SCHEMAS = {  # what the prompt asks for -> the JSON schema its output must follow
     "a person": {"type": "object", "properties": {"name": STRING, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -159,11 +172,12 @@ def machine_info():
 
 @dataclass
 class Workload:
-    name: str  # "random", "shared-prefix" or "warm-up"
+    name: str  # "random", "shared-prefix", "beam" or "warm-up"
     prompts: list[list[int]]  # token ids of each request's prompt
     output_lens: list[int]  # output tokens each request must produce (EOS ignored)
     prefix_len: int = 0  # tokens shared by every prompt (shared-prefix)
     schemas: list[dict] | None = None  # structured: each request's JSON schema
+    beam_width: int = 0  # beam: beams per request (output_lens then count all k beams: k x max_tokens)
 
     @property
     def num_prompt_tokens(self):
@@ -183,6 +197,8 @@ class Workload:
         d["output_len"] = [min(self.output_lens), max(self.output_lens)]
         if self.prefix_len:
             d["prefix_len"] = self.prefix_len
+        if self.beam_width:
+            d["beam_width"] = self.beam_width
         return d
 
 
@@ -215,15 +231,26 @@ def structured_workload(llm, num_requests, max_output_len):
     return Workload("structured", prompts, [max_output_len] * num_requests, schemas=schemas)
 
 
+def beam_workload(vocab_size, beam_width, num_requests, min_prompt_len, max_prompt_len, max_tokens, seed=0, name="beam"):
+    """Random prompts, each searched with beam_width beams to max_tokens tokens (one length for all: HF's
+    padded batches run to one max_new_tokens, and a beam cut short is not the best beam of that length)."""
+    prompts = random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, 1, 1, seed=seed).prompts
+    return Workload(name, prompts, [beam_width * max_tokens] * num_requests, beam_width=beam_width)
+
+
 def make_workload(args, vocab_size):
     sizes = dict(num_requests=args.num_requests, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
                  min_output_len=args.min_output_len, max_output_len=args.max_output_len)
     if args.workload == "shared-prefix":
         return shared_prefix_workload(vocab_size, args.prefix_len, **sizes)
+    if args.workload == "beam":
+        return beam_workload(vocab_size, args.beam_width, args.num_requests, args.min_prompt_len, args.max_prompt_len, args.max_output_len)
     return random_workload(vocab_size, **sizes)
 
 
-def warmup_workload(vocab_size):
+def warmup_workload(vocab_size, beam_width=0):
+    if beam_width:
+        return beam_workload(vocab_size, beam_width, 2, WARMUP["min_prompt_len"], WARMUP["max_prompt_len"], WARMUP["max_output_len"], seed=1, name="warm-up")
     return random_workload(vocab_size, **WARMUP, seed=1, name="warm-up")
 
 
@@ -242,6 +269,7 @@ class Run:
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
+    peak_blocks: tuple[int, int] | None = None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
 
 
 @dataclass
@@ -510,6 +538,30 @@ def engine_run(llm, outputs, seconds, start) -> Run:
     )
 
 
+def run_nanobatch_beam(llm, workload) -> Run:
+    """Every beam search request queued at once (a beam group takes beam_width seats); the step loop is
+    driven here to read the pool after each step: blocks held, and what the beams would hold unshared."""
+    begin_engine_run(llm)
+    k = workload.beam_width
+    start = time.perf_counter()
+    ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
+    done, held, unshared = {}, 0, 0
+    while llm.has_unfinished_requests():
+        done.update((out.request_id, out) for out in llm.step() if out.finished)
+        held = max(held, llm.allocator.num_blocks - llm.allocator.num_free_blocks)
+        unshared = max(unshared, sum(len(s.block_ids) for s in llm.scheduler.running))
+    seconds = time.perf_counter() - start
+    outputs = [done[i] for i in ids]
+    return Run(
+        output_ids=[[t for c in out.outputs for t in c.token_ids] for out in outputs],  # the k beams, best first, end to end
+        seconds=seconds,
+        num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
+        extra_memory_bytes=held * kv_bytes_per_block(llm),
+        stats=llm.stats,
+        peak_blocks=(held, unshared),
+    )
+
+
 def ideal_seconds(llm, workload):
     """The wall time no batching can beat on this workload: its longest request, run alone."""
     i = workload.longest_request()
@@ -552,6 +604,28 @@ def run_hf_generate(model, workload, batch_size) -> Run:
             raise RuntimeError(f"hf-generate stopped early: {out.shape[1] - width} of {max_new} new tokens")
         new = out[:, width:].tolist()  # (batch, max_new)
         output_ids += [ids[:n] for ids, n in zip(new, lens)]
+    synchronize(model.device)
+    return Run(output_ids, time.perf_counter() - start)
+
+
+def run_hf_beam(model, workload, batch_size) -> Run:
+    """HF beam search on left-padded static batches of batch_size // k prompts (k beams each), EOS ignored,
+    every beam max_new_tokens long; the k returned sequences of each prompt, best first, end to end."""
+    k = workload.beam_width
+    per_batch, max_new = max(1, batch_size // k), workload.output_lens[0] // k
+    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else 0
+    output_ids = []
+    synchronize(model.device)
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), per_batch):
+        prompts = workload.prompts[i : i + per_batch]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # (batch, width)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)  # (batch, width)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, num_beams=k, num_return_sequences=k, do_sample=False,
+                             length_penalty=1.0, early_stopping=False, max_new_tokens=max_new, pad_token_id=pad)
+        new = out[:, width:].tolist()  # (batch * k, max_new): prompt j's beams are rows j*k .. j*k + k - 1
+        output_ids += [[t for row in new[j * k : (j + 1) * k] for t in row] for j in range(len(prompts))]
     synchronize(model.device)
     return Run(output_ids, time.perf_counter() - start)
 
@@ -902,13 +976,17 @@ def format_table(results, workload, reference="nanobatch"):
     return "\n".join(lines)
 
 
-def format_engine_details(name, stats, llm, seconds, ideal_s=None, forward_s=None):
+def format_engine_details(name, stats, llm, seconds, ideal_s=None, forward_s=None, run_peak_blocks=None):
     pool = llm.allocator.num_blocks
     line = (f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
             f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
             f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)")
     if forward_s is not None and stats.num_steps:
         line += "\n" + format_host_split(name, host_split(seconds / stats.num_steps, forward_s / stats.num_steps), f"mean of {stats.num_steps} steps")
+    if run_peak_blocks is not None:
+        held, unshared = run_peak_blocks
+        line += (f"\n{name}: peak KV blocks {held} with shared beam histories; the same beams as independent sequences "
+                 f"would hold {unshared} ({held / unshared:.0%})")
     if ideal_s is not None:
         line += f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s (the longest request alone: no batching can finish sooner)"
     return line
@@ -974,7 +1052,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     """Every nanobatch system on one engine (one model load); returns the workload built from its vocab."""
     bandwidth = copy_bandwidth(device) if args.roofline else None
     llm = load_nanobatch(model_path, args)
-    workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size)
+    workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size, args.beam_width)
     details = []
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
@@ -985,6 +1063,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         "nanobatch-sampled": lambda wl: run_nanobatch(llm, wl, params=sampled),
         "nanobatch-static": lambda wl: run_nanobatch_static(llm, wl),
         "nanobatch-no-prefix-cache": lambda wl: run_nanobatch(llm, wl, prefix_caching=False),
+        "nanobatch-beam": lambda wl: run_nanobatch_beam(llm, wl),
     }
     for name in [s for s in args.systems if s in runners]:
         result, run = measure(name, runners[name], workload, warmup, device)
@@ -994,7 +1073,9 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         extra.setdefault("engine", {})[name] = asdict(run.stats)
         if run.stats.num_steps:
             extra["engine"][name]["host"] = host_split(run.seconds / run.stats.num_steps, run.forward_seconds / run.stats.num_steps)
-        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, run.forward_seconds))
+        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, run.forward_seconds, run.peak_blocks))
+        if run.peak_blocks:
+            extra.setdefault("engine", {})[name].update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
         results.append(result)
         runs.append(run)
     if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
@@ -1017,10 +1098,11 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
         results += [SystemResult(name, skipped=f"could not load the model in transformers: {e}") for name in hf]
         return workload
     workload = workload or make_workload(args, model.config.vocab_size)
-    warmup = warmup_workload(model.config.vocab_size)
+    warmup = warmup_workload(model.config.vocab_size, args.beam_width)
     runners = {
         "hf-generate": lambda wl: run_hf_generate(model, wl, args.max_num_seqs),
         "hf-generate-batch": lambda wl: run_hf_generate_batch(model, wl, args),
+        "hf-beam": lambda wl: run_hf_beam(model, wl, args.max_num_seqs),
     }
     for name in hf:
         try:
@@ -1103,6 +1185,7 @@ def build_arg_parser():
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="shared-prefix: tokens of the common system prompt")
+    g.add_argument("--beam-width", type=int, help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long")
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
@@ -1121,6 +1204,17 @@ def resolve_args(args):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS.get(args.workload, ["nanobatch"])
+    beam_systems = [s for s in args.systems if s.endswith("-beam")]
+    if args.workload == "beam":
+        args.beam_width = args.beam_width or DEFAULT_BEAM_WIDTH
+        if args.beam_width < 1:
+            raise ValueError("--beam-width must be >= 1")
+        if len(beam_systems) != len(args.systems):
+            raise ValueError(f"--workload beam runs only the beam systems (nanobatch-beam, hf-beam), not {[s for s in args.systems if s not in beam_systems][0]}")
+    elif beam_systems or args.beam_width:
+        raise ValueError("the beam systems and --beam-width go with --workload beam")
+    else:
+        args.beam_width = 0
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
@@ -1167,7 +1261,7 @@ def main(args):
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
-    print(format_table(results, workload))
+    print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
     print("\n" + "\n".join(details) if details else "")
     on, off = (next((r for r in results if r.name == n and r.seconds), None) for n in ("nanobatch", "nanobatch-no-prefix-cache"))
     if on and off:

@@ -19,7 +19,7 @@ One engine step, top to bottom of this file:
     -> append token, check stop -> RequestOutput
 
 Sections: Config | Sampling parameters and outputs | Requests and sequences |
-Block allocator | Scheduler | Model | Loading | Sampler | Engine | Server | CLI
+Block allocator | Scheduler | Model | Loading | Sampler | Beam search | Engine | Server | CLI
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
@@ -265,6 +265,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at the first admission
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: [None, entry for token 1, ...], filled as the prompt is computed
     prompt_mask: torch.Tensor | None = None  # (vocab,) bool: tokens in the prompt, for repetition_penalty (built once, when first needed)
+    beam: "BeamGroup | None" = None  # a beam search request: its seqs are the live beams
 
     @property
     def forked(self):
@@ -469,9 +470,9 @@ class Scheduler:
                 # the victim is the newest admission not already in this batch; when only
                 # sequences already scheduled are newer than seq, seq itself is the newest left
                 victim = next((s for s in reversed(self.running) if s not in batch.seqs), seq)
-                self._preempt(victim)
+                self._preempt(victim, batch)
                 batch.num_preempted += 1
-                if victim is seq:
+                if seq.status != RUNNING:  # seq itself went (or its beam group did)
                     break
             if seq.status == RUNNING:
                 batch.seqs.append(seq)
@@ -480,24 +481,42 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, batch, budget):
-        """Waiting requests in arrival order while the token, seat and block budgets allow."""
+        """Waiting requests in arrival order while the token, seat and block budgets allow.
+        A preempted beam group is admitted as a whole: its beams step together."""
         seats = sum(s.num_seats for s in self.running)
-        while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num_cached = self._take_cached_prefix(seq)
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not self._allocate_slots(seq, num_new, batch.block_copies):
-                self._release(seq)  # FCFS: the head waits for blocks, nobody overtakes it
+        while self.waiting and budget > 0:
+            group = self._waiting_group()
+            if seats + sum(s.num_seats for s in group) > self.config.max_num_seqs or budget < len(group):
                 break
-            self.waiting.popleft()
-            if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits
-                seq.request.num_cached_tokens = num_cached
-            seq.status = RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-            seats += seq.num_seats
+            admitted = []
+            for i, seq in enumerate(group):
+                num_cached = self._take_cached_prefix(seq)
+                # every later beam of the group keeps at least one token of the budget
+                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget - (len(group) - 1 - i))
+                if not self._allocate_slots(seq, num_new, batch.block_copies):
+                    break
+                admitted.append((seq, num_new, num_cached))
+                budget -= num_new
+            if len(admitted) < len(group):
+                for seq in group:
+                    self._release(seq)  # FCFS: the head waits for blocks, nobody overtakes it
+                break
+            for seq, num_new, num_cached in admitted:
+                self.waiting.popleft()
+                if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits
+                    seq.request.num_cached_tokens = num_cached
+                seq.status = RUNNING
+                self.running.append(seq)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                seats += seq.num_seats
+
+    def _waiting_group(self):
+        """The head of the queue, or all of its beam group (preempted together, so they are contiguous there)."""
+        head = self.waiting[0]
+        if head.request.beam is None:
+            return [head]
+        return list(itertools.takewhile(lambda s: s.request is head.request, self.waiting))
 
     def _take_cached_prefix(self, seq):
         """Serve the sequence's leading full blocks from the prefix cache. The last
@@ -546,13 +565,19 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = 0
 
-    def _preempt(self, seq):
+    def _preempt(self, seq, batch):
         """Preemption by recompute: free the blocks and queue the sequence at the front;
-        its generated tokens are kept and prefilled again on readmission."""
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = WAITING
-        self.waiting.appendleft(seq)
+        its generated tokens are kept and prefilled again on readmission. A beam group goes
+        as a whole, beams already in this step's batch included (its beams step together)."""
+        group = [s for s in seq.request.seqs if s.status == RUNNING] if seq.request.beam is not None else [seq]
+        for s in reversed(group):  # appendleft in reverse: the group keeps its order at the front
+            if s in batch.seqs:  # its copy-on-write, if any, then lands in a free block: harmless
+                i = batch.seqs.index(s)
+                del batch.seqs[i], batch.num_new_tokens[i]
+            self.running.remove(s)
+            self._release(s)
+            s.status = WAITING
+            self.waiting.appendleft(s)
 
     def mark_computed(self, batch: ScheduledBatch):
         """After the forward: the new K/V are in the cache, full blocks become shareable."""
@@ -580,6 +605,15 @@ class Scheduler:
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
+
+    def repoint(self, seq, block_ids):
+        """Give seq another block table (a beam taking over another beam's history). The new
+        blocks are shared before the old ones are freed: a block both hold stays put, a block
+        nobody holds any more goes back to the pool at once."""
+        for block_id in block_ids:
+            self.allocator.share(block_id)
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.num_synced_blocks = list(block_ids), 0  # the engine's block table row is rewritten whole
 
     def finish(self, seq):
         if seq.status == RUNNING:
@@ -1216,6 +1250,119 @@ def _cut(text, limit=80):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# ---- Beam search ----
+#
+# A beam group is one Request whose beam_width live beams are Sequences (forked after the
+# prefill, like n > 1 samples). A step of the group waits until every live beam has its
+# logits row, then keeps the best continuations exactly as HF transformers' beam search
+# does, and re-points the beams: a beam that continues another beam's history takes that
+# history's block table (ref counts, no copy); a shared partial block is copied on the next
+# write (copy-on-write in Scheduler._allocate_slots); blocks no beam holds go back at once.
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int  # beams kept per step, and sequences returned per prompt
+    max_tokens: int  # most output tokens per beam
+    ignore_eos: bool = False  # keep searching past the end-of-sequence token
+    temperature: float = 0.0  # scales the logits before log-softmax; 0 = unscaled
+    length_penalty: float = 1.0  # a finished beam scores cum_logprob / output_len ** length_penalty
+
+    def __post_init__(self):
+        def bad(name, rule):
+            raise ValueError(f"BeamSearchParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(name, "must be an integer >= 1")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            bad("temperature", "must be a finite number >= 0")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            bad("length_penalty", "must be a finite number")
+
+    def sampling_params(self):
+        """What the scheduler sees: beam_width seats, the beams' length limit."""
+        return SamplingParams(n=self.beam_width, temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + output (vLLM's convention)
+    text: str  # the output, detokenized
+    cum_logprob: float  # sum of the output tokens' log-probabilities
+    finish_reason: str  # "stop" (ended with EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # the beam_width best, best first
+
+
+@dataclass
+class BeamCandidate:
+    parent: "Sequence"  # the beam whose history it continues
+    token_id: int
+    cum_logprob: float  # float32 value, as HF accumulates it
+    score: float  # cum_logprob / new output_len ** length_penalty
+    tokens: list[int] | None = None  # prompt + output, kept once it ends as a hypothesis
+
+
+@dataclass(eq=False)
+class BeamGroup:
+    """The search state of one beam request (HF transformers' `_beam_search` with early_stopping=False)."""
+
+    params: BeamSearchParams
+    eos_token_ids: frozenset  # empty with ignore_eos
+    rows: dict = field(default_factory=dict)  # Sequence -> its logits row (vocab,), until every live beam has one
+    hypotheses: list = field(default_factory=list)  # finished BeamCandidates with their tokens, best first, at most beam_width
+
+    def ready(self, beams):
+        # a beam preempted since it stored its row is being recomputed: wait for it
+        return all(b in self.rows and b.num_computed_tokens == len(b.token_ids) for b in beams)
+
+    def select(self, beams, at_limit):
+        """One step over the live beams (all with the same output length): returns the
+        beam_width running continuations, best first, or None when the search is over."""
+        k, lp = self.params.beam_width, self.params.length_penalty
+        logits = torch.stack([self.rows.pop(b) for b in beams])  # (B, vocab)
+        if self.params.temperature > 0:
+            logits = logits / self.params.temperature
+        cum = torch.tensor([b.cumulative_logprob for b in beams], dtype=torch.float32, device=logits.device)  # (B,)
+        scores = (torch.log_softmax(logits.float(), dim=-1) + cum[:, None]).flatten()  # (B * vocab,)
+        # HF keeps (1 + number of EOS tokens) * k candidates (at least 2k): k of them always go on
+        top = scores.topk(min(max(2, 1 + len(self.eos_token_ids)) * k, scores.numel()))
+        output_len = len(beams[0].output_token_ids) + 1
+        penalized = top.values / output_len**lp  # (K,), float32 as in HF
+        vocab = logits.shape[1]
+        candidates = [
+            BeamCandidate(beams[i // vocab], i % vocab, value, score)
+            for i, value, score in zip(top.indices.tolist(), top.values.tolist(), penalized.tolist())
+        ]
+        ends = [at_limit or c.token_id in self.eos_token_ids for c in candidates]
+        # a candidate that ends becomes a hypothesis only if it ranks among the first k
+        new = [c for c, end in zip(candidates[:k], ends[:k]) if end]
+        for c in new:  # its parent is about to be re-pointed: keep the tokens now
+            c.tokens = c.parent.token_ids + [c.token_id]
+        self.hypotheses = sorted(self.hypotheses + new, key=lambda c: -c.score)[:k]
+        running = [c for c, end in zip(candidates, ends) if not end][:k]
+        if at_limit or not running:
+            return None
+        # HF's stopping rule: done when the best running beam, scored at its current length,
+        # cannot beat the worst of k kept hypotheses
+        if len(self.hypotheses) == k and not running[0].score > self.hypotheses[-1].score:
+            return None
+        return running
+
+    def completions(self, prompt_len, decode):
+        return [
+            CompletionOutput(i, decode(c.tokens[prompt_len:]), c.tokens[prompt_len:], "stop" if c.token_id in self.eos_token_ids else "length", cumulative_logprob=c.cum_logprob)
+            for i, c in enumerate(self.hypotheses)
+        ]
+
+
 # ---- Engine ----
 
 @dataclass
@@ -1331,12 +1478,13 @@ class LLM:
 
     def _validate(self, prompt, params, **change):
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params, **change)  # a copy (its lists too), as vLLM: the caller may reuse or change theirs
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        # a copy (its lists too), as vLLM: the caller may reuse or change theirs (beam groups give only final outputs)
+        params = dataclasses.replace(params, **change) if isinstance(params, SamplingParams) else dataclasses.replace(params)
         text, token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
-        self.structured_outputs.compile(params.structured_outputs)  # a constraint that does not compile fails here, not mid-run
+        self.structured_outputs.compile(getattr(params, "structured_outputs", None))  # a constraint that does not compile fails here, not mid-run
         return text, token_ids, params
 
     def _enqueue(self, text, token_ids, params, request_id=None):
@@ -1345,7 +1493,11 @@ class LLM:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()))
+        beam = None
+        if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width seats; the group does the rest
+            beam = BeamGroup(params, frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+            params = params.sampling_params()
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()), beam=beam)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         seq = self._new_seq(request, list(token_ids), index=0)
@@ -1382,12 +1534,17 @@ class LLM:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _check_fits(self, token_ids, params):
+        # a beam group alone must fit the pool even when its beams share nothing (and after a preemption they share nothing)
+        num_beams = params.beam_width if isinstance(params, BeamSearchParams) else 1
+        if num_beams > 1 and 2 * num_beams > self.model_config.vocab_size:
+            raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {self.model_config.vocab_size}")
+        params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt and at least one output token must fit)")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
         max_len = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
-        blocks = -(-max_len // self.config.block_size)
+        blocks = -(-max_len // self.config.block_size) * num_beams
         if blocks > self.allocator.num_blocks:
             raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {self.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
 
@@ -1442,6 +1599,7 @@ class LLM:
         if prompt_spans:
             self._record_prompt_logprobs(logits[len(sampled_seqs) :], prompt_spans)
             logits = logits[: len(sampled_seqs)]
+        beam_outputs, sampled_seqs, logits = self._step_beams(sampled_seqs, logits)  # beam groups take their rows out
         # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
         rows, seqs = [], []
         for row, seq in enumerate(sampled_seqs):
@@ -1457,7 +1615,7 @@ class LLM:
         apply_grammar_masks(logits, seqs)
         token_ids = sample(apply_penalties(logits, seqs, self.eos_token_ids), sb, self.generator)  # (num_samples,)
         logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
-        return self._append_tokens(seqs, token_ids.tolist(), logprobs)
+        return beam_outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)
 
     def _prepare_inputs(self, batch: ScheduledBatch):
         """The flat token batch and its BatchMetadata, copied to the device once.
@@ -1676,6 +1834,66 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
+    # -- beam search --
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm=False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first, found
+        as HF transformers' beam search finds them. The beam groups run through the same
+        step loop as generate (add_request and generate also take a BeamSearchParams)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason) for c in o.outputs])
+            for o in outputs
+        ]
+
+    def _step_beams(self, sampled_seqs, logits):
+        """Beam groups take their logits rows out of the step's sampled rows; a group steps once
+        every live beam has its row. Returns (final outputs of the groups that ended, the other
+        sampled sequences, their logits rows)."""
+        keep, groups = [], {}
+        for row, seq in enumerate(sampled_seqs):
+            if seq.request.beam is None:
+                keep.append(row)
+            else:
+                seq.request.beam.rows[seq] = logits[row].clone()  # a group may wait for its other beams past this step
+                groups[seq.request] = None
+        if not groups:
+            return [], sampled_seqs, logits
+        outputs = [self._advance_beams(r) for r in groups if r.beam.ready(r.seqs)]
+        return [o for o in outputs if o is not None], [sampled_seqs[i] for i in keep], logits[keep]
+
+    def _advance_beams(self, request):
+        """One beam search step of a group: keep the best continuations and re-point the beams
+        onto them, or end the search and return the group's final output."""
+        group, beams = request.beam, request.seqs
+        num_output = len(beams[0].output_token_ids) + 1  # after this step
+        at_limit = num_output >= group.params.max_tokens or len(beams[0].token_ids) + 1 >= self.max_model_len
+        running = group.select(beams, at_limit)
+        if running is None:
+            return self._finish_beams(request)
+        if not request.forked:  # after the prefill: beam_width beams, all on the prompt's blocks
+            beams = beams + self.scheduler.fork(beams[0], group.params.beam_width - 1, self._fork)
+        # read every parent before re-pointing anyone: a beam may continue one re-pointed before it
+        states = [(c.parent.token_ids + [c.token_id], list(c.parent.block_ids), list(c.parent.block_hashes), c.parent.num_computed_tokens, c.cum_logprob) for c in running]
+        for seq, (token_ids, block_ids, block_hashes, num_computed, cum_logprob) in zip(beams, states):
+            seq.token_ids, seq.block_hashes, seq.num_computed_tokens, seq.cumulative_logprob = token_ids, block_hashes, num_computed, cum_logprob
+            self.scheduler.repoint(seq, block_ids)
+        return None
+
+    def _finish_beams(self, request):
+        for seq in request.seqs:  # the live beams: their blocks go back, the hypotheses are the output
+            self.scheduler.finish(seq)
+        del self.requests[request.request_id]  # it ends exactly once
+        now = time.perf_counter()
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        request.metrics.finished_time = now
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        completions = request.beam.completions(len(request.prompt_token_ids), decode)
+        self.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)
+
 
 def _as_list(x):
     return x if isinstance(x, (list, tuple)) else [x]
@@ -1689,7 +1907,8 @@ class _GenerateProgress:
         from tqdm import tqdm
 
         self.llm, self.num_requests, self.num_done = llm, len(validated), 0
-        bounds = [p.n * min(p.max_tokens or math.inf, llm.max_model_len - len(ids)) for _, ids, p in validated]  # most output tokens
+        params = [llm.requests[i].params for i in request_ids]  # a beam search's too (validated may hold BeamSearchParams)
+        bounds = [p.n * min(p.max_tokens or math.inf, llm.max_model_len - len(ids)) for (_, ids, _), p in zip(validated, params)]  # most output tokens
         self.bounds = dict(zip(request_ids, bounds))
         self.bar = tqdm(total=sum(bounds), desc="generating", unit="tok", dynamic_ncols=True)
         self.start, self.num_out, self.num_prompt, self.num_cached = time.perf_counter(), llm.stats.num_output_tokens, 0, 0
@@ -2811,6 +3030,7 @@ def build_arg_parser():
     g.add_argument("--seed", type=int, default=s.seed, help="per-request seed; None: the engine's seed")
     g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file: every output is JSON valid under it")
     g.add_argument("--regex", metavar="PATTERN", help="every output fullmatches this regular expression")
+    g.add_argument("--beam-width", type=int, default=None, help="beam search with K beams instead of sampling (prints the K best, best first)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="most sequences in one step")
@@ -2842,6 +3062,8 @@ def run_cli(args):
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
         structured_outputs=read_structured_outputs(args.json_schema, args.regex),
     )
+    if args.beam_width is not None:  # the K best beams come out as the K outputs of each prompt
+        params = BeamSearchParams(args.beam_width, max_tokens=args.max_tokens or SamplingParams.max_tokens, ignore_eos=args.ignore_eos)
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

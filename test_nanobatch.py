@@ -1481,7 +1481,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
     ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("/generate", {"prompt": "hi", "use_beam_search": True}, "no beam search"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
     ("/v1/completions", {"model": "x"}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
@@ -2441,3 +2441,169 @@ def test_cli_json_schema_and_regex(tiny_models, tmp_path):
         assert len(rows) == 2 and all(row["finish_reason"] == "stop" and check(row["text"]) for row in rows), rows
     r = run_cli(*common, "--regex", "a", "--json-schema", str(tmp_path / "schema.json"))
     assert r.returncode == 1 and r.stderr.strip() == "error: give --json-schema or --regex, not both"
+
+
+# ---- Tests: beam search ----
+
+from nanobatch import BeamSearchParams  # noqa: E402
+
+
+def hf_beams(model, prompt_ids, k, max_new_tokens, eos_ids):
+    """HF transformers' beam search of one prompt: the k returned sequences (outputs only, padding cut)
+    and their scores. eos_ids: the EOS tokens, or None to ignore EOS."""
+    model.generation_config.eos_token_id = eos_ids
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=1.0,
+                         early_stopping=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=eos_ids[0] if eos_ids else 0,
+                         return_dict_in_generate=True, output_scores=True)
+    sequences = []
+    for row in out.sequences[:, len(prompt_ids) :].tolist():
+        ends = [i for i, t in enumerate(row) if eos_ids and t in eos_ids]
+        sequences.append(row[: ends[0] + 1] if ends else row)  # a finished beam is padded with EOS after its EOS
+    return sequences, out.sequences_scores.tolist()
+
+
+def check_beams_match_hf(llm, model, prompts, k, max_tokens, ignore_eos):
+    eos_ids = None if ignore_eos else sorted(llm.eos_token_ids)
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=k, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    num_stopped = 0
+    for prompt, out in zip(prompts, outputs):
+        prompt_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        expected, scores = hf_beams(model, prompt_ids, k, max_tokens, eos_ids)
+        got = [s.tokens[len(prompt_ids) :] for s in out.sequences]
+        assert got == expected, f"beam width {k}, prompt of {len(prompt_ids)} tokens, ignore_eos={ignore_eos}"
+        for s, score in zip(out.sequences, scores):
+            assert s.tokens[: len(prompt_ids)] == prompt_ids
+            assert s.cum_logprob / len(s.tokens[len(prompt_ids) :]) == pytest.approx(score, abs=1e-3)
+            assert s.finish_reason == ("stop" if not ignore_eos and s.tokens[-1] in llm.eos_token_ids else "length")
+            num_stopped += s.finish_reason == "stop"
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks and not llm.has_unfinished_requests()
+    return outputs, num_stopped
+
+
+def beam_prompts(llm, tokenizer):
+    """4 chat questions with short answers (the beams meet EOS) and 4 passage snippets."""
+    questions = ["What is 2 + 2? Answer with a number.", "Name one primary color.", "Say hello.", "Is the sky blue? Answer yes or no."]
+    return [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions] + passage_prompts(tokenizer, [6, 17, 33, 50])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_matches_hf_on_the_default_model(folder_llm, default_hf, k):
+    """8 prompts, beam widths 2 and 4, EOS respected and ignored: the k sequences and their order == HF generate(num_beams=k)."""
+    model, tokenizer = default_hf
+    prompts = beam_prompts(folder_llm, tokenizer)
+    _, num_stopped = check_beams_match_hf(folder_llm, model, prompts, k, 14, ignore_eos=False)
+    assert num_stopped > 0, "some beams end with EOS"
+    check_beams_match_hf(folder_llm, model, prompts, k, 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qk-norm"])
+def test_beam_search_matches_hf_on_tiny_models(tiny_models, family):
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 9, 17, 30)]
+    for k in (2, 4):
+        check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=True)
+        check_beams_match_hf(llm, model, prompts, k, 12, ignore_eos=False)
+
+
+def test_beam_groups_beside_ordinary_requests(tiny_models):
+    """Beam groups and ordinary requests (greedy, n=2 sampled) in one batch: each comes out as it does alone."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=128, block_size=8, **CPU)
+    prompts = [list(range(10, 31)), list(range(200, 213)), list(range(50, 77)), list(range(300, 309)), list(range(10, 31))]
+    params = [
+        SamplingParams(max_tokens=10, **GREEDY),
+        BeamSearchParams(beam_width=3, max_tokens=10),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+        BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
+        BeamSearchParams(beam_width=4, max_tokens=9, ignore_eos=True),  # the same prompt as the greedy request: prefix-cache hits
+    ]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats.num_steps <= 14, "they ran in the same batches (12 tokens at most + the prefill step)"
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+        assert len(out.outputs) == (p.beam_width if isinstance(p, BeamSearchParams) else p.n)
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def run_beam_group(llm, prompt, params):
+    """Step one beam group alone; returns its output and, per step, (distinct blocks the group holds,
+    blocks its beams would hold as independent sequences of the same lengths)."""
+    request_id = llm.add_request(prompt, params)
+    request, usage = llm.requests[request_id], []
+    while llm.has_unfinished_requests():
+        outputs = llm.step()
+        live = [s for s in request.seqs if s.status != nanobatch.FINISHED]
+        if live:
+            usage.append((len({b for s in live for b in s.block_ids}), sum(len(s.block_ids) for s in live)))
+    assert [o.request_id for o in outputs] == [request_id]
+    return outputs[0], usage
+
+
+def test_beam_group_shares_blocks_and_frees_them(tiny_models):
+    """4 beams on a 40-token prompt: the full prompt blocks are held once, a beam that takes over
+    another's history shares its blocks, and the peak stays well below 4 independent sequences."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=64, block_size=8, **CPU)
+    out, usage = run_beam_group(llm, list(range(100, 140)), BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 20 for c in out.outputs)
+    peak_group, peak_independent = max(u[0] for u in usage), max(u[1] for u in usage)
+    assert peak_group < peak_independent and all(held <= apart for held, apart in usage)
+    assert peak_group <= 5 + 4 * 3, "5 shared prompt blocks + at most 3 own blocks per beam for 20 tokens"
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks and all(r == 0 for r in llm.allocator.ref_counts)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_beam_groups_under_preemption(tiny_models, prefix_caching):
+    """A pool so small that beam groups are preempted (as a whole) and recomputed: same beams, every block back."""
+    folder = tiny_models["llama-gqa-untied"][0]
+    prompts = [list(range(20, 41)), list(range(20, 41)), list(range(400, 417)), list(range(90, 110)), list(range(700, 719))]
+    params = [BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True), BeamSearchParams(beam_width=3, max_tokens=12),
+              SamplingParams(max_tokens=12, **GREEDY), BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
+    roomy = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU).generate(prompts, params, use_tqdm=False)
+    small = LLM(model=folder, num_kv_blocks=22, block_size=8, enable_prefix_caching=prefix_caching, **CPU)  # one 4-beam group needs up to 20
+    preempted_groups, preempt = [], small.scheduler._preempt
+
+    def spy(seq, batch):  # a beam group leaves as a whole: none of its beams stays running or in the batch
+        preempt(seq, batch)
+        if seq.request.beam is not None:
+            preempted_groups.append(seq.request)
+            assert all(s.status == nanobatch.WAITING and s not in batch.seqs for s in seq.request.seqs)
+
+    small.scheduler._preempt = spy
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert preempted_groups, "a beam group was preempted"
+    for a, b in zip(roomy, outputs):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert small.allocator.num_free_blocks == small.allocator.num_blocks and all(r == 0 for r in small.allocator.ref_counts)
+
+
+def test_beam_search_bad_input(tiny_llm):
+    for kwargs, message in [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
+                            (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"), (dict(beam_width=2, max_tokens=4, length_penalty=math.nan), "length_penalty")]:
+        with pytest.raises(ValueError, match=message):
+            BeamSearchParams(**kwargs)
+    with pytest.raises(ValueError, match="KV blocks"):  # 8 beams of 700 tokens cannot fit 48 blocks of 16
+        tiny_llm.beam_search([list(range(600))], BeamSearchParams(beam_width=8, max_tokens=100))
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        tiny_llm.beam_search(["hi"], SamplingParams())
+    out = tiny_llm.beam_search([list(range(5))], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.sequences) == 2 and out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_server_beam_search(server, server_model_dir):
+    """/generate with use_beam_search returns the n beams (vLLM's demo shape); /v1/completions takes it as an extra with n beams."""
+    llm = LLM(model=server_model_dir, num_kv_blocks=64, block_size=16, **CPU)
+    prompt = "The capital of France is"
+    best = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
+    status, answer = post(server, "/generate", {"prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True})
+    assert status == 200 and answer["text"] == [prompt + s.text for s in best]
+    status, answer = post(server, "/v1/completions", {"model": "m", "prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+    assert status == 200 and [c["text"] for c in answer["choices"]] == [s.text for s in best]
+    assert answer["usage"]["completion_tokens"] == 18
+    status, answer = post(server, "/generate", {"prompt": prompt, "n": 2, "use_beam_search": True, "top_p": 0.5})
+    assert status == 400 and "top_p" in answer["error"]["message"]
+    wait_all_blocks_free(server)
