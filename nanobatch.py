@@ -1983,8 +1983,9 @@ class ServerError(Exception):
 class Submission:
     request_ids: list[str]  # one engine request per prompt
     prompts: list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
-    params: SamplingParams
+    params: SamplingParams  # what the response shows (n outputs per prompt, logprobs, ...)
     chat: bool = False
+    beam: "BeamSearchParams | None" = None  # use_beam_search: what the engine runs instead of params
     deliver: Callable | None = None  # called in the engine thread with (prompt index, RequestOutput) or a ServerError
 
 
@@ -2099,7 +2100,7 @@ class EngineLoop:
         added = []
         try:
             for request_id, prompt in zip(sub.request_ids, sub.prompts):
-                self.llm.add_request(self.llm.chat_prompt(prompt) if sub.chat else prompt, sub.params, request_id)
+                self.llm.add_request(self.llm.chat_prompt(prompt) if sub.chat else prompt, sub.beam or sub.params, request_id)
                 added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
@@ -2289,6 +2290,7 @@ def request_models():
         stream: bool | None = None
         logprobs: int | None = None
         use_beam_search: bool = False
+        length_penalty: float | None = None  # beam search: a finished beam scores cum_logprob / length ** length_penalty
 
     class StreamOptions(Body):
         include_usage: bool | None = None
@@ -2297,8 +2299,9 @@ def request_models():
         model: str | None = None  # None: the served model
         stream: bool | None = None  # None (null or absent) is false here and below: some clients send every field
         stream_options: StreamOptions | None = None
+        use_beam_search: bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
+        length_penalty: float | None = None
         # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
-        use_beam_search: Any = None
         # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
         response_format: Any = None
         structured_outputs: Any = None
@@ -2355,7 +2358,7 @@ def request_models():
 UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refused)
     "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
     "best_of": (lambda v, body: v is not None and v > (body.n or 1), "nanobatch has no best-of ranking; ask for n samples"),
-    "use_beam_search": (lambda v, body: bool(v), "nanobatch has no beam search (ask for n samples instead)"),
+    "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
 }
@@ -2367,6 +2370,28 @@ def reject_unsupported(body):
         if asked(getattr(body, name, None), body):
             raise ServerError(f"'{name}' is not supported: {why}")
     return body
+
+
+def beam_search_params(body, params):
+    """vLLM's `use_beam_search` (/generate, and an extra field of /v1/completions): beam search with
+    n beams, the n best returned, best first; None when the request does not ask for it. The response
+    is shaped by params (n outputs per prompt) as for sampling."""
+    if not body.use_beam_search:
+        return None
+    if body.stream:
+        raise ServerError("use_beam_search does not stream (the beams are known only at the end); send stream: false")
+    taken = [name for name in BEAM_REFUSES if getattr(body, name, None) not in (None, [], {}, False)]
+    if taken:
+        raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+    except ValueError as e:
+        raise ServerError(str(e)) from None
+
+
+BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", *STRUCTURED_OUTPUT_FIELDS)
 
 
 def validation_message(error):
@@ -2763,7 +2788,8 @@ def build_app(server):
     async def generate(request: Request):
         body = reject_unsupported(await read_json(request, models.Generate))
         params = body.sampling_params(logprobs=body.logprobs)
-        return await respond(request, Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params), GenerateFormat(params), bool(body.stream))
+        sub = Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params, beam=beam_search_params(body, params))
+        return await respond(request, sub, GenerateFormat(params), bool(body.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -2777,7 +2803,8 @@ def build_app(server):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, body.prompt_logprobs is not None)
-        return await respond(request, Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params), fmt, bool(body.stream))
+        sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
+        return await respond(request, sub, fmt, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -2003,7 +2003,6 @@ def test_wrong_model_gets_404(server_model_dir):
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
     ("completions", "suffix", "!"),
     ("completions", "best_of", 3),
-    ("completions", "use_beam_search", True),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("chat", "use_beam_search", True),
 ]
@@ -2601,7 +2600,7 @@ def test_server_beam_search(server, server_model_dir):
     best = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
     status, answer = post(server, "/generate", {"prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True})
     assert status == 200 and answer["text"] == [prompt + s.text for s in best]
-    status, answer = post(server, "/v1/completions", {"model": "m", "prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+    status, answer = post(server, "/v1/completions", {"model": server.model_name, "prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
     assert status == 200 and [c["text"] for c in answer["choices"]] == [s.text for s in best]
     assert answer["usage"]["completion_tokens"] == 18
     status, answer = post(server, "/generate", {"prompt": prompt, "n": 2, "use_beam_search": True, "top_p": 0.5})
