@@ -906,7 +906,7 @@ def apply_penalties(logits, seqs, eos_token_ids):
     penalized = []
     for row, seq in enumerate(seqs):
         p = seq.request.params
-        if seq.num_output_tokens < p.min_tokens:  # nothing may end the output yet
+        if seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
             stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
             logits[row, stops] = -math.inf
         if p.logit_bias:

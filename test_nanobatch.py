@@ -1601,7 +1601,7 @@ class FakeRequest:
 
     def __init__(self, params, prompt, output):
         self.request = Request("r", None, prompt, params, RequestMetrics(0.0))
-        self.token_ids, self.output_counts = prompt + output, None
+        self.token_ids, self.output_counts, self.matcher = prompt + output, None, None
         self.num_output_tokens = len(output)
         self.output_token_ids = output
 
