@@ -896,7 +896,6 @@ def _load_gguf_weights(path, gguf):
 # ---- Sampler ----
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would overflow to inf, then NaN)
-TOP_P_CANDIDATES = 256  # top-p looks among this many best tokens first (a partial sort); rows they cannot decide get a full sort
 
 
 def apply_penalties(logits, seqs, eos_token_ids):
@@ -956,10 +955,10 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # (R,) int64, vocab size = off
     top_p: torch.Tensor | None  # (R,) float, 1 = off
     min_p: torch.Tensor | None  # (R,) float, 0 = off
-    plain: list[int]  # indices into R of the rows with neither top-k nor top-p: they sample from the whole row, unsorted
-    filtered: list[int]  # indices into R of the rows with top-k or top-p: they sample from their best tokens, sorted
-    num_candidates: int  # how many best tokens the filtered rows look at first (vocab size: a full sort)
-    may_undecide: bool  # some row has top-p without top-k and looks at fewer than all tokens (CPU only)
+    plain: list[int]  # indices into R of rows without top-k and top-p: the whole row, unsorted
+    nucleus: list[int]  # indices into R of rows with top-p but no top-k, on a CPU: rejection sampling, no sort
+    best: list[int]  # indices into R of rows with top-k (and, on a GPU, top-p): their best tokens, sorted
+    num_best: int  # how many best tokens the `best` rows look at (vocab size: a full sort)
     generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
     max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
     all_greedy: bool
@@ -971,12 +970,10 @@ class SamplingBatch:
         sampling = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         ps = [params[i] for i in sampling]
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
-        filtered = [j for j, p in enumerate(ps) if top_k[j] < vocab_size or p.top_p < 1]
-        # top-k needs its k best; top-p alone (no top-k) starts from TOP_P_CANDIDATES, except on a GPU, where
-        # checking whether they decide it would be a sync: sort the whole row there (fast on a GPU)
-        top_p_only = any(top_k[j] == vocab_size for j in filtered)
-        candidates = vocab_size if device.type != "cpu" else TOP_P_CANDIDATES
-        num_candidates = min(vocab_size, max([top_k[j] for j in filtered if top_k[j] < vocab_size] + [candidates if top_p_only else 1]))
+        # top-p alone: rejection sampling needs a few device-to-host checks; on a GPU a full sort is fast and needs none
+        nucleus = [j for j, p in enumerate(ps) if top_k[j] == vocab_size and p.top_p < 1 and device.type == "cpu"]
+        best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in set(nucleus)]
+        num_best = min(vocab_size, max(top_k[j] for j in best)) if best else 0
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device) if sampling else None
@@ -987,10 +984,10 @@ class SamplingBatch:
             top_k=column(top_k, torch.int64),
             top_p=column([p.top_p for p in ps], torch.float32),
             min_p=column([p.min_p for p in ps], torch.float32),
-            plain=sorted(set(range(len(ps))) - set(filtered)),
-            filtered=filtered,
-            num_candidates=num_candidates,
-            may_undecide=top_p_only and num_candidates < vocab_size,
+            plain=sorted(set(range(len(ps))) - set(nucleus) - set(best)),
+            nucleus=nucleus,
+            best=best,
+            num_best=num_best,
             generators=[seqs[i].generator for i in sampling],
             max_logprobs=max(wanted) if wanted else None,
             all_greedy=not sampling,
@@ -1001,52 +998,86 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     """Greedy, temperature, top-k, top-p and min-p over the whole batch at once.
     logits (S, vocab) fp32 -> token ids (S,) int64.
 
-    A row that samples draws one uniform number u and takes the token where the
-    cumulative probability of its kept tokens passes u (inverse-CDF sampling): one
-    random number per row, not one per vocabulary entry. Seeded rows draw u from
-    their own generator, so their samples do not depend on the rest of the batch."""
-    tokens = logits.argmax(dim=-1)  # (S,): the greedy rows' tokens
-    if sb.all_greedy:
-        return tokens
-    x = logits[sb.rows] / sb.temperature[:, None]  # (R, vocab)
-    u = torch.rand(len(sb.generators), generator=engine_generator, device=x.device)  # (R,)
-    for j, gen in enumerate(sb.generators):
-        if gen is not None:
-            u[j] = torch.rand((), generator=gen, device=x.device)
-    sampled = torch.empty(len(sb.generators), dtype=torch.int64, device=x.device)  # (R,)
+    A row that samples draws uniform numbers u and takes the token where the cumulative
+    probability of its kept tokens passes u (inverse-CDF sampling): a few random numbers
+    per row, not one per vocabulary entry. Seeded rows draw from their own generator,
+    so their samples do not depend on the rest of the batch."""
+    num_rows = len(sb.generators)
+    if num_rows < len(logits):  # some rows are greedy
+        tokens = logits.argmax(dim=-1)  # (S,)
+        if sb.all_greedy:
+            return tokens
+    x = (logits if num_rows == len(logits) else logits[sb.rows]) / sb.temperature[:, None]  # (R, vocab)
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # (R,)
+
+    def uniforms(j):  # (len(j),) one fresh draw per row
+        return _uniforms([sb.generators[i] for i in j], engine_generator, x.device)
+
+    def rows_of(group):  # a group's rows of x: no copy when it is every row
+        return x if len(group) == num_rows else x[torch.tensor(group, device=x.device)]
+
     if sb.plain:  # the whole distribution, in vocabulary order (no sort needed)
         j = torch.tensor(sb.plain, device=x.device)
-        probs = _min_p(torch.softmax(x[j], dim=-1), sb.min_p[j])
-        sampled[j] = _draw(probs, u[j])
-    if sb.filtered:
-        j = torch.tensor(sb.filtered, device=x.device)
-        tokens_j, undecided = _sample_best(x[j], sb.num_candidates, sb.top_k[j], sb.top_p[j], sb.min_p[j], u[j])
-        if sb.may_undecide and bool(undecided.any()):  # CPU only (see from_seqs): no device to sync with
-            k = j[undecided]
-            tokens_j[undecided] = _sample_best(x[k], x.shape[1], sb.top_k[k], sb.top_p[k], sb.min_p[k], u[k])[0]
-        sampled[j] = tokens_j
+        sampled[j] = _draw(_min_p(torch.softmax(rows_of(sb.plain), dim=-1), sb.min_p[j]), uniforms(sb.plain))
+    if sb.nucleus:
+        j = torch.tensor(sb.nucleus, device=x.device)
+        sampled[j] = _sample_nucleus(rows_of(sb.nucleus), sb.top_p[j], sb.min_p[j], lambda rows: uniforms([sb.nucleus[r] for r in rows]))
+    if sb.best:
+        j = torch.tensor(sb.best, device=x.device)
+        sampled[j] = _sample_best(rows_of(sb.best), sb.num_best, sb.top_k[j], sb.top_p[j], sb.min_p[j], uniforms(sb.best))
+    if num_rows == len(logits):
+        return sampled
     tokens[sb.rows] = sampled
     return tokens
 
 
-def _sample_best(x, num_candidates, top_k, top_p, min_p, u):
-    """Top-k, then top-p on what top-k keeps, then min-p, among each row's num_candidates best
-    tokens (a partial sort). Returns (token ids (R,), undecided (R,) bool): rows without top-k
-    whose candidates hold no more than top_p of the mass, so that the tokens past them could
-    be kept too; their token must come from a full sort."""
-    if num_candidates < x.shape[1]:
-        values, ids = x.topk(num_candidates, dim=-1)  # (R, K), best first
+def _uniforms(generators, engine_generator, device):
+    u = torch.rand(len(generators), generator=engine_generator, device=device)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i] = torch.rand((), generator=gen, device=device)
+    return u
+
+
+def _sample_best(x, num_best, top_k, top_p, min_p, u):
+    """Top-k, then top-p on what top-k keeps, then min-p, over each row's num_best best
+    tokens (a partial sort; num_best >= every row's top-k). x (R, vocab) -> token ids (R,)."""
+    if num_best < x.shape[1]:
+        values, ids = x.topk(num_best, dim=-1)  # (R, K), best first
     else:
         values, ids = x.sort(dim=-1, descending=True)
     keep = torch.arange(values.shape[1], device=x.device)[None, :] < top_k[:, None]  # top-k: (R, K)
-    # normalise over what top-k keeps; with top-k off, over the whole row (the candidates are only its head)
-    top_k_on = top_k < x.shape[1]
-    log_norm = torch.where(top_k_on, torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1), torch.logsumexp(x, dim=-1))
-    probs = torch.exp(values - log_norm[:, None]) * keep  # (R, K)
+    probs = torch.softmax(values.masked_fill(~keep, -math.inf), dim=-1)  # over what top-k keeps
     keep &= probs.cumsum(dim=-1) - probs <= top_p[:, None]  # top-p: the mass before this token has not reached top_p
-    undecided = ~top_k_on & (probs.sum(dim=-1) <= top_p)
-    probs = _min_p(probs * keep, min_p)
-    return ids.gather(1, _draw(probs, u)[:, None])[:, 0], undecided
+    return ids.gather(1, _draw(_min_p(probs * keep, min_p), u)[:, None])[:, 0]
+
+
+def _sample_nucleus(x, top_p, min_p, uniforms, max_rounds=64):
+    """Top-p (and min-p) without sorting the vocabulary, by rejection: draw from the whole
+    distribution and accept the token if the tokens more likely than it hold at most top_p
+    of the mass (it is then in the nucleus) and it passes min-p. An accepted draw follows
+    the distribution restricted to the kept tokens, exactly; the kept mass is >= top_p,
+    so a row needs about 1 / top_p rounds. x (R, vocab) -> token ids (R,)."""
+    probs = torch.softmax(x, dim=-1)  # (R, vocab)
+    cdf, floor = probs.cumsum(dim=-1), min_p * probs.amax(dim=-1)
+    tokens = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)  # (R,), -1: not yet accepted
+    for _ in range(max_rounds):
+        rows = (tokens < 0).nonzero()[:, 0]
+        if len(rows) == 0:
+            return tokens
+        pending_probs, pending_cdf = (probs, cdf) if len(rows) == len(x) else (probs[rows], cdf[rows])  # (n, vocab)
+        u = uniforms(rows.tolist()) * pending_cdf[:, -1]
+        draw = torch.searchsorted(pending_cdf, u[:, None], right=True).clamp_(max=x.shape[1] - 1)  # (n, 1)
+        p = pending_probs.gather(1, draw)  # (n, 1)
+        above = torch.where(pending_probs > p, pending_probs, 0.0).sum(dim=-1)  # mass of the strictly more likely tokens
+        accept = (above <= top_p[rows]) & (p[:, 0] >= floor[rows])
+        tokens[rows[accept]] = draw[accept, 0]
+    undecided = tokens < 0  # (almost never: a kept mass below 1/64 under min-p) an exact sort decides them
+    if undecided.any():
+        j = undecided.nonzero()[:, 0]
+        k = torch.full((len(j),), x.shape[1], device=x.device)
+        tokens[j] = _sample_best(x[j], x.shape[1], k, top_p[j], min_p[j], uniforms(j.tolist()))
+    return tokens
 
 
 def _min_p(probs, min_p):

@@ -1690,20 +1690,27 @@ def test_include_stop_str_in_output(folder_llm):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.999), top_k=st.sampled_from([0, 3, 50]), num_candidates=st.sampled_from([1, 4, 16]))
-def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, num_candidates):
-    """The top-k / top-p path over a row's best tokens picks the same token as over the whole
-    sorted row, for the same uniform draw, on every row it says it decided."""
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 1.0), top_k=st.sampled_from([1, 3, 50]), extra=st.sampled_from([0, 4, 16]))
+def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, extra):
+    """Top-k rows look at their best tokens only (a partial sort): the same token as over the
+    whole sorted row, for the same uniform draw."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(8, 64, generator=gen) * 2
     u = torch.rand(8, generator=gen)
-    k = torch.full((8,), top_k if top_k else 64)
-    p, m = torch.full((8,), top_p), torch.zeros(8)
-    partial, undecided = nanobatch._sample_best(x, max(num_candidates, top_k), k, p, m, u)
-    full, _ = nanobatch._sample_best(x, 64, k, p, m, u)
-    assert torch.equal(partial[~undecided], full[~undecided])
-    if top_k:
-        assert not undecided.any(), "with top-k on, the k best decide"
+    k, p, m = torch.full((8,), top_k), torch.full((8,), top_p), torch.zeros(8)
+    assert torch.equal(nanobatch._sample_best(x, top_k + extra, k, p, m, u), nanobatch._sample_best(x, 64, k, p, m, u))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.999), min_p=st.sampled_from([0.0, 0.05, 0.5]))
+def test_nucleus_rejection_keeps_only_the_nucleus(seed, top_p, min_p):
+    """Top-p by rejection (no sort) never returns a token outside the nucleus or below min-p."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 40, generator=gen) * 3
+    p, m = torch.full((6,), top_p), torch.full((6,), min_p)
+    tokens = nanobatch._sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen))
+    for row in range(6):
+        assert not clearly_excluded(x[row], 1.0, 0, top_p, min_p)[tokens[row]]
 
 
 def test_sampler_draws_the_filtered_distribution():
