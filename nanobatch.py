@@ -1002,11 +1002,10 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     probability of its kept tokens passes u (inverse-CDF sampling): a few random numbers
     per row, not one per vocabulary entry. Seeded rows draw from their own generator,
     so their samples do not depend on the rest of the batch."""
+    if sb.all_greedy:
+        return logits.argmax(dim=-1)
     num_rows = len(sb.generators)
-    if num_rows < len(logits):  # some rows are greedy
-        tokens = logits.argmax(dim=-1)  # (S,)
-        if sb.all_greedy:
-            return tokens
+    tokens = logits.argmax(dim=-1) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
     x = (logits if num_rows == len(logits) else logits[sb.rows]) / sb.temperature[:, None]  # (R, vocab)
     sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # (R,)
 
