@@ -558,6 +558,7 @@ def run_nanobatch_beam(llm, workload) -> Run:
         num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
         extra_memory_bytes=held * kv_bytes_per_block(llm),
         stats=llm.stats,
+        forward_seconds=llm.forward_timer.seconds,
         peak_blocks=(held, unshared),
     )
 
