@@ -19,12 +19,14 @@ One engine step, top to bottom of this file:
     -> append token, check stop -> RequestOutput
 
 Sections: Config | Sampling parameters and outputs | Requests and sequences |
-Block allocator | Scheduler | Model | Loading | Sampler | Beam search | Engine | Server | CLI
+Block allocator | Scheduler | Model | Loading | Sampler | Structured outputs |
+Beam search | Engine | Server | CLI
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
       python nanobatch.py --serve --port 8000                  (vLLM's /generate, OpenAI /v1/...)
-API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quick-start)
+API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quick-start; also
+      StructuredOutputsParams for constrained output, BeamSearchParams for llm.beam_search)
 """
 
 import argparse
