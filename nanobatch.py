@@ -152,7 +152,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
-    output_kind: str = "cumulative"  # what step() returns per request: "cumulative", "delta" (new tokens only), "final_only"
+    output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
     structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
 
     def __post_init__(self):
@@ -199,8 +199,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
-        if self.output_kind not in ("cumulative", "delta", "final_only"):
-            bad("output_kind", "must be 'cumulative', 'delta' or 'final_only'")
+        if self.output_kind not in ("cumulative", "final_only"):
+            bad("output_kind", "must be 'cumulative' or 'final_only'")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or None")
         if self.top_k == -1:

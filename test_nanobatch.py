@@ -621,6 +621,16 @@ def test_abort_frees_blocks_and_reports_once(tiny_llm):
         ("temperature", float("inf"), "SamplingParams.temperature"),
         ("top_k", 2**40, "SamplingParams.top_k"),
         ("logprobs", 100, "SamplingParams.logprobs"),
+        ("prompt_logprobs", 21, "SamplingParams.prompt_logprobs"),
+        ("presence_penalty", 2.5, "SamplingParams.presence_penalty"),
+        ("frequency_penalty", "1", "SamplingParams.frequency_penalty"),
+        ("repetition_penalty", 0, "SamplingParams.repetition_penalty"),
+        ("logit_bias", {-1: 1.0}, "SamplingParams.logit_bias"),
+        ("logit_bias", {5: float("nan")}, "SamplingParams.logit_bias"),
+        ("min_tokens", 17, "SamplingParams.min_tokens"),
+        ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output"),
+        ("skip_special_tokens", None, "SamplingParams.skip_special_tokens"),
+        ("output_kind", "delta", "SamplingParams.output_kind"),
     ],
 )
 def test_invalid_sampling_params(field, value, message):
