@@ -974,7 +974,8 @@ class SamplingBatch:
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
         # top-p alone: rejection sampling needs a few device-to-host checks; on a GPU a full sort is fast and needs none
         nucleus = [j for j, p in enumerate(ps) if top_k[j] == vocab_size and p.top_p < 1 and device.type == "cpu"]
-        best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in set(nucleus)]
+        in_nucleus = set(nucleus)
+        best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in in_nucleus]
         num_best = min(vocab_size, max(top_k[j] for j in best)) if best else 0
 
         def column(values, dtype):
@@ -986,7 +987,7 @@ class SamplingBatch:
             top_k=column(top_k, torch.int64),
             top_p=column([p.top_p for p in ps], torch.float32),
             min_p=column([p.min_p for p in ps], torch.float32),
-            plain=sorted(set(range(len(ps))) - set(nucleus) - set(best)),
+            plain=sorted(set(range(len(ps))) - in_nucleus - set(best)),
             nucleus=nucleus,
             best=best,
             num_best=num_best,
