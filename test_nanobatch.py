@@ -19,6 +19,7 @@ import http.client
 import json
 import logging
 import math
+import functools
 import os
 import random
 import subprocess
@@ -40,6 +41,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 import kernels
 import nanobatch
+import transformers
 from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, start_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -527,6 +529,17 @@ def test_sampler_temperature_zero_is_argmax():
     assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 64, 1024]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, ties, seed):
+    """The two-level argmax gives argmax's token, ties (the first best) and a last, shorter chunk included."""
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    if ties:  # a few coarse values: many rows hold their maximum more than once
+        logits = logits.round().clamp(-1, 1)
+    assert torch.equal(nanobatch.greedy_tokens(logits, chunk), logits.float().argmax(dim=-1))
+
+
 def test_same_seed_same_output_whatever_the_batch(tiny_llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     alone = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -683,7 +696,13 @@ def test_unsupported_architecture(tmp_path):
         LLM(model=str(tmp_path))
 
 
-def test_max_model_len_above_the_model_limit(tiny_models):
+def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
+    """Rejected from the config alone: the tokenizer and weights never load."""
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the weights before checking max_model_len")
+
+    monkeypatch.setattr(nanobatch, "_load_hf_weights", never)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 1024"):
         LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096, **CPU)
 
@@ -842,7 +861,7 @@ def check_attention(impl, case):
     torch.testing.assert_close(got.cpu().double(), naive_attention(case, dense), rtol=tol, atol=tol)
 
 
-IMPLS = pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref], ids=["triton", "ref"])
+IMPLS = pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu], ids=["triton", "ref", "cpu"])
 
 # ---- paged_attention: properties ----
 
@@ -963,7 +982,7 @@ BAD_ATTENTION = {  # what is wrong -> (the change, words the message must contai
 }
 
 
-@pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention], ids=["triton", "ref", "dispatch"])
+@pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu, kernels.paged_attention], ids=["triton", "ref", "cpu", "dispatch"])
 @pytest.mark.parametrize("bad", BAD_ATTENTION, ids=list(BAD_ATTENTION))
 def test_paged_attention_rejects(impl, bad):
     change, words = BAD_ATTENTION[bad]
@@ -1015,7 +1034,7 @@ def test_store_kv_rejects(impl, bad):
 def test_dispatch_picks_triton_for_cuda_or_the_cpu_switch(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append("triton"))
-    monkeypatch.setattr(kernels, "paged_attention_ref", lambda *a, **kw: calls.append("ref"))
+    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, **kw: calls.append("ref"))
     monkeypatch.setattr(kernels, "store_kv_triton", lambda *a, **kw: calls.append("triton"))
     monkeypatch.setattr(kernels, "store_kv_ref", lambda *a, **kw: calls.append("ref"))
     args = _attention_args()
@@ -2124,20 +2143,36 @@ def contiguous_blocks(args):
 
 
 @PROPERTY
-@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 1024]), contiguous=st.booleans())
-def test_paged_attention_ref_groups_and_views_match_naive(case, group_keys, contiguous):
-    """The reference's decode groups (any group size, down to one sequence each) and its
-    no-copy view of contiguous blocks give naive attention, NaN in unused slots included."""
+@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans())
+def test_paged_attention_cpu_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first):
+    """The CPU path's decode groups (any group size, down to one sequence each), a plan made
+    ahead (as the engine makes it once per step) or on the spot, and the reference's no-copy
+    view of contiguous blocks all give naive attention, NaN in unused slots included."""
     args, dense = build(case)
     if contiguous:
         args = contiguous_blocks(args)
-    out = torch.full_like(args[0], float("nan"))
+    tol = TOLERANCE[case.dtype]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
-        kernels.paged_attention_ref(*args, out=out)
-    assert not out.isnan().any()
-    tol = TOLERANCE[case.dtype]
-    torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
+        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2]) if plan_first else None
+        for impl in (kernels.paged_attention_ref, functools.partial(kernels.paged_attention_cpu, plan=plan)):
+            out = torch.full_like(q, float("nan"))
+            impl(*args, out=out)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
+
+
+def test_attention_plan_is_made_once_per_step_and_none_for_triton(monkeypatch):
+    """The engine's forward makes one plan a step and hands it to every layer; where Triton
+    runs there is none."""
+    case = Case([(20, 1), (9, 1), (0, 6)], 8, 2, 3, 32, torch.float32, seed=3)
+    args, _ = build(case)
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2)
+    assert [len(g.rows) for g in plan.decode] == [2] and plan.prefill == [2]
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
+    assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2) is None
 
 
 def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
