@@ -54,7 +54,7 @@ scaled_dot_product_attention on equal work (the same q, K, V; SDPA reads them de
 enable_gqa=True), Qwen3-0.6B's heads (16 query, 8 kv, head_dim 128), block_size 16, shuffled block tables;
 decode 64 sequences x 1024 context and prefill 8 x 512 new tokens (causal) in bf16, timed with CUDA events
 (median), with GB/s of K/V read (decode), TFLOP/s (prefill) and the largest output difference. On a CPU:
-smaller shapes in fp32, with the torch reference (paged_attention_ref) in the Triton kernel's place.
+smaller shapes in fp32, with the engine's CPU path (paged_attention_cpu) in the Triton kernel's place.
 
 Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Kernels | Report | CLI
 
@@ -269,6 +269,7 @@ class Run:
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
+    decode_split: dict | None = None  # nanobatch on a CPU: mean decode step and the attention in it (see ForwardTimer)
     peak_blocks: tuple[int, int] | None = None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
 
 
@@ -378,20 +379,68 @@ class ForwardTimer:
     """Adds up the seconds an engine spends in its model forward by wrapping llm.model.forward (an instance
     attribute, which nn.Module.__call__ finds first); everything else in LLM.step is the host's work. On a
     GPU it synchronises after each forward so that the GPU's work is counted here, not in the host's share
-    (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap)."""
+    (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap).
+    On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
+    them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
+    timing each would take a sync per layer)."""
 
     def __init__(self, llm):
         self.seconds = 0.0
-        forward, device = llm.model.forward, llm.device
+        self.decode_steps, self.decode_seconds, self.decode_attention_seconds = 0, 0.0, 0.0
+        forward, step, device = llm.model.forward, llm.step, llm.device
+        is_decode = [False]
 
-        def timed_forward(*args, **kwargs):
+        def timed_forward(input_ids, positions, kv_caches, meta):
+            is_decode[0] = len(input_ids) == len(meta.seq_lens)
             start = time.perf_counter()
-            out = forward(*args, **kwargs)
+            out = forward(input_ids, positions, kv_caches, meta)
             synchronize(device)
             self.seconds += time.perf_counter() - start
             return out
 
-        llm.model.forward = timed_forward
+        def timed_step():
+            is_decode[0], attention_before, start = False, ATTENTION_SECONDS[0], time.perf_counter()
+            out = step()
+            if is_decode[0] and device.type == "cpu":
+                self.decode_steps += 1
+                self.decode_seconds += time.perf_counter() - start
+                self.decode_attention_seconds += ATTENTION_SECONDS[0] - attention_before
+            return out
+
+        llm.model.forward, llm.step = timed_forward, timed_step
+        time_cpu_attention()
+
+    def reset(self):
+        self.seconds = 0.0
+        self.decode_steps, self.decode_seconds, self.decode_attention_seconds = 0, 0.0, 0.0
+
+    def decode_split(self):
+        """Mean decode step and the attention in it (CPU only), or None."""
+        if not self.decode_steps:
+            return None
+        step_s, attention_s = self.decode_seconds / self.decode_steps, self.decode_attention_seconds / self.decode_steps
+        return {"decode_steps": self.decode_steps, "step_ms": step_s * 1e3, "attention_ms": attention_s * 1e3, "attention_share": attention_s / step_s}
+
+
+ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
+
+
+def time_cpu_attention():
+    """Wrap the two kernels.py functions that Model.forward calls for attention (once per process)."""
+    if getattr(kernels, "_bench_timed", False):
+        return
+    for name in ("paged_attention", "plan_paged_attention"):
+        fn = getattr(kernels, name)
+
+        def timed(*args, _fn=fn, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                ATTENTION_SECONDS[0] += time.perf_counter() - start
+
+        setattr(kernels, name, timed)
+    kernels._bench_timed = True
 
 
 def host_split(step_s, forward_s):
@@ -478,7 +527,7 @@ def begin_engine_run(llm, prefix_caching=True):
     llm.reset_prefix_cache()  # no run may be served from blocks an earlier run (same prompts) left cached
     llm.config.enable_prefix_caching = prefix_caching  # read by the scheduler at every step; safe while idle
     llm.stats = EngineStats()  # the engine's counters add up over its lifetime: count this run only
-    llm.forward_timer.seconds = 0.0
+    llm.forward_timer.reset()
 
 
 def run_nanobatch(llm, workload, prefix_caching=True, params=greedy) -> Run:
@@ -535,6 +584,7 @@ def engine_run(llm, outputs, seconds, start) -> Run:
         extra_memory_bytes=llm.stats.peak_blocks_in_use * kv_bytes_per_block(llm),
         stats=llm.stats,
         forward_seconds=llm.forward_timer.seconds,
+        decode_split=llm.forward_timer.decode_split(),
     )
 
 
@@ -751,7 +801,7 @@ def measure_decode_step(llm, batch_size, context_len, num_steps):
         for out in llm.step():
             counts[out.request_id] = len(out.outputs[0].token_ids)
     synchronize(llm.device)
-    llm.forward_timer.seconds = 0.0
+    llm.forward_timer.reset()
     start = time.perf_counter()
     for _ in range(num_steps):
         llm.step()  # samples and calls .tolist(): each step ends synchronised
@@ -818,10 +868,10 @@ class KernelTiming:
 
 
 def paged_kernel(device):
-    """The paged attention to time: Triton on a GPU; on a CPU the torch reference, since Triton runs there
-    only under TRITON_INTERPRET, in Python, where its times mean nothing."""
+    """The paged attention to time: Triton on a GPU; on a CPU the engine's torch path, since Triton runs
+    there only under TRITON_INTERPRET, in Python, where its times mean nothing."""
     if device.type != "cuda":
-        return "paged_attention_ref (torch, CPU)", kernels.paged_attention_ref
+        return "paged_attention_cpu (torch, CPU)", kernels.paged_attention_cpu
     if kernels.TRITON_INTERPRET:
         raise ValueError("--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU")
     return "paged_attention_triton", kernels.paged_attention_triton
@@ -1075,6 +1125,11 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         if run.stats.num_steps:
             extra["engine"][name]["host"] = host_split(run.seconds / run.stats.num_steps, run.forward_seconds / run.stats.num_steps)
         details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, run.forward_seconds, run.peak_blocks))
+        if run.decode_split:
+            extra["engine"][name]["decode"] = run.decode_split
+            d = run.decode_split
+            details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
+                           f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
         if run.peak_blocks:
             extra.setdefault("engine", {})[name].update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
         results.append(result)
