@@ -905,7 +905,8 @@ def paged_kv(k, v, block_size):
 
 def paged_call(kernel, q, k, v, scale):
     """The paged kernel on the whole batch, called as the engine calls it: q packed to (num_tokens, heads,
-    head_dim), every sequence's keys in the cache already (storing them is not part of the timing)."""
+    head_dim), every sequence's keys in the cache already (storing them is not part of the timing). On a
+    CPU, paged_attention_cpu makes its plan in each call: the engine makes it once a step for every layer."""
     num_seqs, q_len, seq_len = q.shape[0], q.shape[1], k.shape[1]
     k_cache, v_cache, block_tables = paged_kv(k, v, EngineConfig.block_size)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=q.device)  # (num_seqs,)

@@ -5,13 +5,16 @@ nanobatch.py calls.
 
     store_kv(k, v, k_cache, v_cache, slot_mapping)
         write the K/V rows of this step's new tokens into the paged cache
-    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None)
+    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None)
         causal attention of the new tokens over everything cached for their sequence
         (prefill, prefill over a cached prefix and decode, mixed freely in one batch)
 
     store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)
-    store_kv_ref / paged_attention_ref         plain torch, any device: the CPU path and a second opinion
-    store_kv / paged_attention                 dispatch: Triton for CUDA tensors, the reference otherwise
+    store_kv_ref / paged_attention_ref         plain torch, any device: the rule itself, one sequence at a time
+    paged_attention_cpu                        the engine's CPU path: decode rows batched by a per-step plan
+                                               (plan_paged_attention), tested against the reference
+    store_kv / paged_attention                 dispatch: Triton for CUDA tensors; on a CPU store_kv_ref and
+                                               paged_attention_cpu; on a GPU without triton, the references
 
 Cache layout (one per layer, for K and for V):
     (num_blocks, block_size, num_kv_heads, head_dim)
@@ -30,8 +33,9 @@ Supported by the Triton kernels (anything else raises a ValueError that names it
 any GQA ratio (num_heads % num_kv_heads == 0), head_dim up to 256 (powers of two
 are the fast case; others are padded and masked), any cache block size (it is
 independent of the key tile), q and caches in float32, float16 or bfloat16 with
-an fp32 online softmax, int64 cache offsets. Both attention implementations take
-an optional out= to write into (the tests pass one poisoned with NaN).
+an fp32 online softmax, int64 cache offsets. All three attention implementations take
+an optional out= to write into (the tests pass one poisoned with NaN); paged_attention and
+paged_attention_cpu also take plan=, the CPU path's per-step plan.
 
 Running the Triton kernels without a GPU: set TRITON_INTERPRET=1 in the
 environment *before this module is imported* (triton.jit picks compiled or
@@ -43,8 +47,8 @@ tested end to end on Triton):
 Without triton installed this module still imports; the engine runs on the
 references and the *_triton functions raise a RuntimeError that says so.
 
-Sections: imports and switches / shape checks / references / Triton store_kv /
-Triton paged_attention / dispatch.
+Sections: imports and switches / shape checks / references / the CPU path /
+Triton store_kv / Triton paged_attention / dispatch.
 Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
@@ -233,8 +237,9 @@ class CpuAttentionPlan:
 
 
 def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads):
-    """The per-step part of paged_attention_cpu, shared by every layer: None where Triton runs."""
-    if _use_triton(block_tables):
+    """The per-step part of paged_attention_cpu, shared by every layer: None where it does not run
+    (Triton, or a GPU without triton installed: the reference)."""
+    if _use_triton(block_tables) or block_tables.device.type != "cpu":
         return None
     return _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads)
 
@@ -274,7 +279,8 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     group = num_heads // num_kv_heads
     plan = plan or _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
-    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)  # row = slot * Hkv + kv head
+    # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
+    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     for g in plan.decode:
         n, L = len(g.rows), g.num_keys
         k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
@@ -556,4 +562,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     """plan: from plan_paged_attention, made once per step for the CPU path (Triton needs none)."""
     if _use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
+    if q.device.type != "cpu":  # a GPU without triton installed: the reference runs on any device
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
     return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, plan=plan)

@@ -911,7 +911,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would 
 def apply_penalties(logits, seqs, eos_token_ids):
     """min_tokens, logit_bias, then repetition / frequency / presence penalties (vLLM's order),
     in place on the rows whose request asks for them: rows that use none cost nothing.
-    logits (S, vocab) fp32, one row per sequence."""
+    logits (S, vocab) fp32 (or the model dtype for a plain greedy batch), one row per sequence."""
     penalized = []
     for row, seq in enumerate(seqs):
         p = seq.request.params
@@ -1231,7 +1231,7 @@ class StructuredOutputManager:
 
 def apply_grammar_masks(logits, seqs):
     """Sets to -inf, in place, the logits of the tokens each constrained row's grammar forbids
-    next; unconstrained rows cost nothing. logits (S, vocab) fp32, row i sampled for seqs[i]."""
+    next; unconstrained rows cost nothing. logits (S, vocab) fp32 or the model dtype, row i sampled for seqs[i]."""
     rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
     if not rows:
         return

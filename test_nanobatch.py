@@ -531,12 +531,17 @@ def test_sampler_temperature_zero_is_argmax():
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 64, 1024]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), ties=st.booleans(), seed=st.integers(0, 2**16))
-def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, ties, seed):
-    """The two-level argmax gives argmax's token, ties (the first best) and a last, shorter chunk included."""
-    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), ties=st.booleans(), special=st.booleans(), seed=st.integers(0, 2**16))
+def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, ties, special, seed):
+    """The two-level argmax gives argmax's token, ties (the first best), a last, shorter chunk and
+    infinities and NaNs (argmax takes the first NaN as the best) included."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
     if ties:  # a few coarse values: many rows hold their maximum more than once
         logits = logits.round().clamp(-1, 1)
+    if special:  # a few -inf, +inf and NaN at random places
+        where = torch.randint(0, rows * vocab, (6,), generator=g)
+        logits.view(-1)[where] = torch.tensor([float("-inf"), float("inf"), float("nan")] * 2, dtype=dtype)
     assert torch.equal(nanobatch.greedy_tokens(logits, chunk), logits.float().argmax(dim=-1))
 
 
@@ -2171,8 +2176,23 @@ def test_attention_plan_is_made_once_per_step_and_none_for_triton(monkeypatch):
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2)
     assert [len(g.rows) for g in plan.decode] == [2] and plan.prefill == [2]
+    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2) is None  # not a CPU: no plan
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
     assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2) is None
+
+
+def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
+    """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
+    calls, plans = [], []
+    real_plan, real_attention = kernels._plan, kernels.paged_attention_cpu
+    monkeypatch.setattr(kernels, "_plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
+    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, plan=None, **k: plans.append(plan) or real_attention(*a, plan=plan, **k))
+    tiny_llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY), request_id="plan-1")
+    tiny_llm.step()
+    assert len(calls) == 1 and len(plans) == tiny_llm.model_config.num_layers > 1
+    assert all(p is calls[0] for p in plans)
+    while tiny_llm.has_unfinished_requests():
+        tiny_llm.step()
 
 
 def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
