@@ -269,6 +269,7 @@ class Run:
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
+    sample_seconds: float | None = None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample (see ForwardTimer)
     decode_split: dict | None = None  # nanobatch on a CPU: mean decode step and the attention in it (see ForwardTimer)
     peak_blocks: tuple[int, int] | None = None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
 
@@ -382,10 +383,12 @@ class ForwardTimer:
     (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap).
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
     them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
-    timing each would take a sync per layer)."""
+    timing each would take a sync per layer).
+    It also adds up the seconds in nanobatch.sample, the sampler's tensor work over the logits (argmax,
+    or sort and draw; device work on a GPU): part of the host's share, reported apart."""
 
     def __init__(self, llm):
-        self.seconds = 0.0
+        self.seconds, self.sample_seconds = 0.0, 0.0
         self.decode_steps, self.decode_seconds, self.decode_attention_seconds = 0, 0.0, 0.0
         forward, step, device = llm.model.forward, llm.step, llm.device
         is_decode = [False]
@@ -409,9 +412,11 @@ class ForwardTimer:
 
         llm.model.forward, llm.step = timed_forward, timed_step
         time_cpu_attention()
+        time_sampler()
+        SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
 
     def reset(self):
-        self.seconds = 0.0
+        self.seconds, self.sample_seconds = 0.0, 0.0
         self.decode_steps, self.decode_seconds, self.decode_attention_seconds = 0, 0.0, 0.0
 
     def decode_split(self):
@@ -443,10 +448,33 @@ def time_cpu_attention():
     kernels._bench_timed = True
 
 
-def host_split(step_s, forward_s):
-    """Host time per step and its share of the step."""
+SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample's time goes to], once wrapped
+
+
+def time_sampler():
+    """Wrap nanobatch.sample, which LLM.step calls by its module-global name (once per process)."""
+    if getattr(nanobatch, "_bench_timed", False):
+        return
+    sample = nanobatch.sample
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            synchronize(args[0].device)
+            for timer in SAMPLE_TIMERS:
+                timer.sample_seconds += time.perf_counter() - start
+
+    nanobatch.sample = timed
+    nanobatch._bench_timed = True
+
+
+def host_split(step_s, forward_s, sample_s):
+    """Host time per step, its share of the step, and the sampler's tensor work inside it."""
     host_s = step_s - forward_s
-    return {"step_ms": step_s * 1e3, "forward_ms": forward_s * 1e3, "host_ms": host_s * 1e3, "host_share": host_s / step_s}
+    return {"step_ms": step_s * 1e3, "forward_ms": forward_s * 1e3, "host_ms": host_s * 1e3, "host_share": host_s / step_s,
+            "sampler_ms": sample_s * 1e3, "bookkeeping_ms": (host_s - sample_s) * 1e3}
 
 
 def percentile(xs, q):
@@ -584,6 +612,7 @@ def engine_run(llm, outputs, seconds, start) -> Run:
         extra_memory_bytes=llm.stats.peak_blocks_in_use * kv_bytes_per_block(llm),
         stats=llm.stats,
         forward_seconds=llm.forward_timer.seconds,
+        sample_seconds=llm.forward_timer.sample_seconds,
         decode_split=llm.forward_timer.decode_split(),
     )
 
@@ -609,6 +638,7 @@ def run_nanobatch_beam(llm, workload) -> Run:
         extra_memory_bytes=held * kv_bytes_per_block(llm),
         stats=llm.stats,
         forward_seconds=llm.forward_timer.seconds,
+        sample_seconds=llm.forward_timer.sample_seconds,
         peak_blocks=(held, unshared),
     )
 
@@ -806,12 +836,12 @@ def measure_decode_step(llm, batch_size, context_len, num_steps):
     for _ in range(num_steps):
         llm.step()  # samples and calls .tolist(): each step ends synchronised
     seconds = (time.perf_counter() - start) / num_steps
-    forward_seconds = llm.forward_timer.seconds / num_steps
+    forward_seconds, sample_seconds = llm.forward_timer.seconds / num_steps, llm.forward_timer.sample_seconds / num_steps
     for request_id in ids:
         llm.abort_request(request_id)
     while llm.has_unfinished_requests():  # the aborted requests' final outputs come out of a step
         llm.step()
-    return seconds, forward_seconds
+    return seconds, forward_seconds, sample_seconds
 
 
 def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
@@ -819,7 +849,7 @@ def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
     bytes_per_token = kv_bytes_per_block(llm) // llm.config.block_size
     num_steps = 16
     kv_bytes = batch_size * (context_len + 2 + num_steps // 2) * bytes_per_token  # about: some are a few tokens ahead
-    measured, _ = measure_decode_step(llm, batch_size, context_len, num_steps)
+    measured, _, _ = measure_decode_step(llm, batch_size, context_len, num_steps)
     return Roofline(bandwidth / 1e9, batch_size, context_len, weight_bytes, kv_bytes, (weight_bytes + kv_bytes) / bandwidth, measured)
 
 
@@ -1028,13 +1058,13 @@ def format_table(results, workload, reference="nanobatch"):
     return "\n".join(lines)
 
 
-def format_engine_details(name, stats, llm, seconds, ideal_s=None, forward_s=None, run_peak_blocks=None):
+def format_engine_details(name, stats, llm, seconds, ideal_s=None, split=None, run_peak_blocks=None):
     pool = llm.allocator.num_blocks
     line = (f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
             f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
             f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)")
-    if forward_s is not None and stats.num_steps:
-        line += "\n" + format_host_split(name, host_split(seconds / stats.num_steps, forward_s / stats.num_steps), f"mean of {stats.num_steps} steps")
+    if split is not None:
+        line += "\n" + format_host_split(name, split, f"mean of {stats.num_steps} steps")
     if run_peak_blocks is not None:
         held, unshared = run_peak_blocks
         line += (f"\n{name}: peak KV blocks {held} with shared beam histories; the same beams as independent sequences "
@@ -1046,7 +1076,9 @@ def format_engine_details(name, stats, llm, seconds, ideal_s=None, forward_s=Non
 
 def format_host_split(name, split, what):
     return (f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
-            f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize")
+            f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
+            f"{name}: of the host time, the sampler's tensor work (nanobatch.sample over the logits: device work on a GPU) "
+            f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms")
 
 
 def format_roofline(r: Roofline):
@@ -1123,9 +1155,11 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         if ideal is not None:
             extra["nanobatch_ideal_seconds"] = ideal
         extra.setdefault("engine", {})[name] = asdict(run.stats)
-        if run.stats.num_steps:
-            extra["engine"][name]["host"] = host_split(run.seconds / run.stats.num_steps, run.forward_seconds / run.stats.num_steps)
-        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, run.forward_seconds, run.peak_blocks))
+        steps = run.stats.num_steps
+        split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
+        if split:
+            extra["engine"][name]["host"] = split
+        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
         if run.decode_split:
             extra["engine"][name]["decode"] = run.decode_split
             d = run.decode_split
@@ -1205,8 +1239,7 @@ def run_host(args, model_path):
     print("[host] warm-up ...", file=sys.stderr, flush=True)
     measure_decode_step(llm, 4, 32, 2)
     print(f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...", file=sys.stderr, flush=True)
-    step_s, forward_s = measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS)
-    split = host_split(step_s, forward_s)
+    split = host_split(*measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS))
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
