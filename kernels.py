@@ -11,8 +11,8 @@ nanobatch.py calls.
 
     store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)
     store_kv_ref / paged_attention_ref         plain torch, any device: the rule itself, one sequence at a time
-    paged_attention_cpu                        the engine's CPU path: decode rows batched by a per-step plan
-                                               (plan_paged_attention), tested against the reference
+    paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
+                                               decode rows as compiled loops (numba) or batched torch ops
     store_kv / paged_attention                 dispatch: Triton for CUDA tensors; on a CPU store_kv_ref and
                                                paged_attention_cpu; on a GPU without triton, the references
 
@@ -53,9 +53,12 @@ Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernel
 """
 
 import contextlib
+import functools
+import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +85,9 @@ except ImportError as e:  # CPU-only installs: the references still work
 # TRITON_INTERPRET=1 set before import). CUDA tensors always go to Triton.
 # Set it here, or start with NANOBATCH_TRITON_ON_CPU=1 in the environment.
 USE_TRITON_ON_CPU = os.environ.get("NANOBATCH_TRITON_ON_CPU", "0") == "1"
+# The CPU path's decode attention as compiled loops (numba, when installed) rather than batched
+# torch ops. Set it here, or start with NANOBATCH_CPU_LOOPS=0 to use the torch ops.
+USE_CPU_LOOPS = os.environ.get("NANOBATCH_CPU_LOOPS", "1") == "1"
 # Whether the kernels below were decorated as interpreted (CPU) functions.
 TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -204,22 +210,27 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-# ---- The CPU path: a plan per step, decode rows batched ----
+# ---- The CPU path: a plan per step; decode rows by compiled loops or batched torch ops ----
 # The engine's CPU attention. Per sequence (the reference) costs a dozen small torch ops per
 # sequence per layer: at batch 48 and 30 layers, most of the time goes to op overhead. Here the
-# work that is the same in every layer (which rows, which cache rows, which keys are padding) is
-# planned once per step, and each layer then attends all decode rows of a group with two gathers
-# and two batched matmuls:
-#   - decode rows are sorted by length and cut into groups of at most DECODE_GROUP_KEYS padded keys,
-#     so that little of a group is padding and its copies stay a few MB;
-#   - K and V are gathered head-major, (kv_heads * seqs, keys, head_dim), from the cache viewed as
-#     (slots * kv_heads, head_dim) rows, so the matmuls take them without another copy (GQA: the
-#     query heads of a kv head are the rows of one matrix);
-#   - padded keys point at the sequence's last key (finite, never an unowned slot) and get a -inf bias;
-#   - q.k and the softmax run in fp32 (K is upcast after the gather); the probabilities are rounded to
-#     the cache dtype before P @ V, as in the Triton kernel.
+# work that is the same in every layer (which rows, which blocks, which keys are padding) is
+# planned once per step. Decode rows (one query each) then take one of two routes:
+#   - compiled loops (numba installed, caches in bf16 or fp32): _decode_attention_loops below, the
+#     attention as llama2.c writes it, reads each key and value in place in the paged cache, once.
+#     A decode step must read all of its K/V (~195 MB at batch 48 on the default model), and torch
+#     ops cannot read it in place: they gather it first, so they move it about four times over;
+#   - batched torch ops (no numba, or fp16 caches): decode rows sorted by length and cut into groups
+#     of at most DECODE_GROUP_KEYS padded keys, so that little of a group is padding and its copies
+#     stay a few MB; per group two gathers and two batched matmuls:
+#       - K and V are gathered head-major, (kv_heads * seqs, keys, head_dim), from the cache viewed as
+#         (slots * kv_heads, head_dim) rows, so the matmuls take them without another copy (GQA: the
+#         query heads of a kv head are the rows of one matrix);
+#       - padded keys point at the sequence's last key (finite, never an unowned slot), bias -inf;
+#       - q.k and the softmax run in fp32 (K is upcast after the gather); the probabilities are
+#         rounded to the cache dtype before P @ V, as in the Triton kernel.
 # Prefill sequences go one at a time, as in the reference (their queries fill the matmuls anyway).
 DECODE_GROUP_KEYS = 4096  # measured at batch 48, contexts 32-320 (bf16): 4096 beat one whole-batch group by ~15%
+LOOP_DTYPES = {torch.bfloat16: (torch.uint16, 16), torch.float32: (torch.uint32, 0)}  # cache dtype -> (its bits, shift to fp32)
 
 
 @dataclass
@@ -231,25 +242,39 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """The compiled loops' inputs: numpy views, made once per step."""
+
+    rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
+    block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
+    seq_lens: object  # (n,) int32 numpy array: their lengths
+
+
+@dataclass
 class CpuAttentionPlan:
-    decode: list  # [DecodeGroup]
+    decode: list  # [DecodeGroup] for the torch ops, or [DecodeRows] for the compiled loops
     prefill: list  # [sequence index] with more than one query row
 
 
-def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads):
-    """The per-step part of paged_attention_cpu, shared by every layer: None where it does not run
-    (Triton, or a GPU without triton installed: the reference)."""
+def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
+    """The per-step part of paged_attention_cpu, shared by every layer (dtype: the caches'): None where
+    it does not run (Triton, or a GPU without triton installed: the reference)."""
     if _use_triton(block_tables) or block_tables.device.type != "cpu":
         return None
-    return _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads)
+    return _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype)
 
 
-def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads):
+def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
     plan = CpuAttentionPlan(decode=[], prefill=[i for i, n in enumerate(q_lens) if n > 1])
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode and _decode_loops(dtype) is not None:
+        idx = torch.tensor(decode)
+        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy()))
+        return plan
     group = []
-    for i in sorted((i for i, n in enumerate(q_lens) if n == 1), key=lens.__getitem__):
+    for i in sorted(decode, key=lens.__getitem__):
         if group and (len(group) + 1) * lens[i] > DECODE_GROUP_KEYS:  # lens[i]: the longest so far
             plan.decode.append(_decode_group(group, lens, starts, block_tables, seq_lens, block_size, num_kv_heads))
             group = []
@@ -277,11 +302,20 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    plan = plan or _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads)
+    plan = plan or _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
     # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     for g in plan.decode:
+        if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
+            if _decode_loops(k_cache.dtype) is None:
+                raise ValueError(f"paged_attention_cpu: the plan was made for compiled loops, which do not read {k_cache.dtype} caches")
+            bits, shift = LOOP_DTYPES[k_cache.dtype]
+            o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
+            _decode_loops(k_cache.dtype)(q[g.rows].float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
+                                          shift, g.block_tables, g.seq_lens, scale, o.numpy())
+            out[g.rows] = o.to(q.dtype)
+            continue
         n, L = len(g.rows), g.num_keys
         k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
         v = v_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim)
@@ -295,6 +329,73 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         for i in plan.prefill:
             _attend_sequence(q, k_cache, v_cache, block_tables[i], lens[i], starts[i], ends[i] - starts[i], scale, out)
     return out
+
+
+def _decode_loops(dtype):
+    """The compiled decode loops for caches of this dtype, or None: numba not installed, switched
+    off (USE_CPU_LOOPS), or a dtype they do not read (fp16: numpy has no fp16 arithmetic in numba)."""
+    if not USE_CPU_LOOPS or dtype not in LOOP_DTYPES:
+        return None
+    return _compile_loops()
+
+
+@functools.cache
+def _compile_loops():
+    try:
+        import numba
+    except ImportError:
+        return None
+    global prange
+    prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs on every core
+    # cache=True: compiled once per machine (about 5 s per cache dtype), then loaded from __pycache__;
+    # reassoc lets the dot products run in SIMD lanes (IEEE infinities and NaNs are kept)
+    return numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)(_decode_attention_loops)
+
+
+prange = range  # numba.prange once _compile_loops has run; plain range if the loops run as Python
+
+
+def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
+    """Decode attention as plain loops (numba compiles them): each sequence's one query row
+    against its keys and values, read in place from the paged cache, once, with an online
+    softmax (as in the Triton kernel: a running max, and the sums rescaled when it grows).
+    q (n, H, D) fp32; k, v (num_blocks, block_size, Hkv, D): the caches' bits, uint16 for bf16
+    (widened to fp32 by a 16-bit shift: bf16 is the top half of an fp32) or uint32 for fp32
+    (shift 0); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    for job in prange(n * num_kv_heads):  # one (sequence, kv head) per job: its query heads share every key
+        i, h = job // num_kv_heads, job % num_kv_heads
+        qh = q[i, h * group : (h + 1) * group] * np.float32(scale)  # (G, D): the group's query heads, scaled
+        k_bits, v_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)  # one key and one value row,
+        k_row, v_row = k_bits.view(np.float32), v_bits.view(np.float32)  # widened, read as fp32 through these views
+        best = np.full(group, -np.inf, np.float32)  # the running max score of each query head
+        total = np.zeros(group, np.float32)  # sum of exp(score - best)
+        acc = np.zeros((group, head_dim), np.float32)  # sum of exp(score - best) * value
+        for t in range(seq_lens[i]):
+            block, offset = block_tables[i, t // block_size], t % block_size
+            for d in range(head_dim):
+                k_bits[d] = np.uint32(k[block, offset, h, d]) << shift
+            for d in range(head_dim):
+                v_bits[d] = np.uint32(v[block, offset, h, d]) << shift
+            for g in range(group):
+                score = np.float32(0.0)
+                for d in range(head_dim):
+                    score += qh[g, d] * k_row[d]
+                if score > best[g]:  # a new max: rescale what was summed so far
+                    rescale = math.exp(best[g] - score)
+                    best[g] = score
+                    total[g] *= rescale
+                    for d in range(head_dim):
+                        acc[g, d] *= rescale
+                p = math.exp(score - best[g])
+                total[g] += p
+                for d in range(head_dim):
+                    acc[g, d] += p * v_row[d]
+        for g in range(group):
+            for d in range(head_dim):
+                out[i, h * group + g, d] = acc[g, d] / total[g]
 
 
 # ---- Triton: store_kv ----

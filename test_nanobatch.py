@@ -2148,11 +2148,12 @@ def contiguous_blocks(args):
 
 
 @PROPERTY
-@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans())
-def test_paged_attention_cpu_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first):
-    """The CPU path's decode groups (any group size, down to one sequence each), a plan made
-    ahead (as the engine makes it once per step) or on the spot, and the reference's no-copy
-    view of contiguous blocks all give naive attention, NaN in unused slots included."""
+@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans(), loops=st.booleans())
+def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first, loops):
+    """The CPU path's decode rows by compiled loops (bf16 and fp32 caches; fp16 takes the groups)
+    or by torch groups (any group size, down to one sequence each), a plan made ahead (as the
+    engine makes it once per step) or on the spot, and the reference's no-copy view of
+    contiguous blocks all give naive attention, NaN in unused slots included."""
     args, dense = build(case)
     if contiguous:
         args = contiguous_blocks(args)
@@ -2160,7 +2161,8 @@ def test_paged_attention_cpu_groups_views_and_plan_match_naive(case, group_keys,
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
-        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2]) if plan_first else None
+        mp.setattr(kernels, "USE_CPU_LOOPS", loops)
+        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2], q.dtype) if plan_first else None
         for impl in (kernels.paged_attention_ref, functools.partial(kernels.paged_attention_cpu, plan=plan)):
             out = torch.full_like(q, float("nan"))
             impl(*args, out=out)
@@ -2168,17 +2170,23 @@ def test_paged_attention_cpu_groups_views_and_plan_match_naive(case, group_keys,
             torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
 
 
-def test_attention_plan_is_made_once_per_step_and_none_for_triton(monkeypatch):
-    """The engine's forward makes one plan a step and hands it to every layer; where Triton
-    runs there is none."""
+def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
+    """A plan sends the decode rows to the compiled loops (numba, bf16 or fp32 caches) or to torch
+    groups (fp16, or the loops switched off); where Triton runs, or off the CPU, there is none."""
     case = Case([(20, 1), (9, 1), (0, 6)], 8, 2, 3, 32, torch.float32, seed=3)
     args, _ = build(case)
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2)
-    assert [len(g.rows) for g in plan.decode] == [2] and plan.prefill == [2]
-    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2) is None  # not a CPU: no plan
+    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
+    assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+    with pytest.raises(ValueError, match="do not read torch.float16"):  # a plan for the loops meets fp16 caches
+        kernels.paged_attention_cpu(q.half(), k_cache.half(), v_cache.half(), *args[3:], plan=plan)
+    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
+    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2
+    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
+    assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
+    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
-    assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2) is None
+    assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32) is None
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
