@@ -346,7 +346,8 @@ def _compile_loops():
     except ImportError:
         return None
     global prange
-    prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs on every core
+    prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # as many as torch uses
     # cache=True: compiled once per machine (about 5 s per cache dtype), then loaded from __pycache__;
     # reassoc lets the dot products run in SIMD lanes (IEEE infinities and NaNs are kept)
     return numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)(_decode_attention_loops)

@@ -2182,6 +2182,9 @@ def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
         kernels.paged_attention_cpu(q.half(), k_cache.half(), v_cache.half(), *args[3:], plan=plan)
     plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
     assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2
+    with monkeypatch.context() as mp:  # numba not installed: the torch groups
+        mp.setattr(kernels, "_compile_loops", lambda: None)
+        assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
     monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
     assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
     assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
