@@ -41,7 +41,8 @@ nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stor
 the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
 actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
 prepare inputs, sample, append and detokenize), measured by timing llm.model.forward (synchronised on a GPU),
-with its share of the step. On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
+with its share of the step; inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and
+the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
 (weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
@@ -458,6 +459,7 @@ def time_sampler():
     sample = nanobatch.sample
 
     def timed(*args, **kwargs):
+        synchronize(args[0].device)  # on a GPU, the work queued before (logits rows, masks, penalties) is not the sampler's
         start = time.perf_counter()
         try:
             return sample(*args, **kwargs)
@@ -819,7 +821,7 @@ def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
 def measure_decode_step(llm, batch_size, context_len, num_steps):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
     step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
-    per step and the seconds of it in the model forward."""
+    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample)."""
     begin_engine_run(llm)
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
@@ -898,10 +900,12 @@ class KernelTiming:
 
 
 def paged_kernel(device):
-    """The paged attention to time: Triton on a GPU; on a CPU the engine's torch path, since Triton runs
+    """The paged attention to time: Triton on a GPU; on a CPU the engine's CPU path (decode rows as numba's
+    compiled loops when installed, compiled by the untimed warm-up calls; else torch ops), since Triton runs
     there only under TRITON_INTERPRET, in Python, where its times mean nothing."""
     if device.type != "cuda":
-        return "paged_attention_cpu (torch, CPU)", kernels.paged_attention_cpu
+        route = "compiled loops" if kernels._decode_loops(torch.float32) is not None else "torch ops"
+        return f"paged_attention_cpu ({route} for decode, CPU)", kernels.paged_attention_cpu
     if kernels.TRITON_INTERPRET:
         raise ValueError("--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU")
     return "paged_attention_triton", kernels.paged_attention_triton
@@ -1217,7 +1221,7 @@ def run_kernels(args, device):
         timings += time_attention(case, num_seqs, seq_len, device, dtype)
     print(format_kernel_table(timings, device_name, args.dtype))
     if device.type != "cuda":
-        print("CPU: the torch reference is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
+        print("CPU: the engine's CPU path is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
               "the issue-3 shapes and the Triton kernel run on a GPU.")
     if not all(t.outputs_agree for t in timings if t.outputs_agree is not None):
         print("warning: a paged kernel's output disagrees with SDPA's: the timings are not of equal work", file=sys.stderr)

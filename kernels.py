@@ -44,8 +44,9 @@ directly or set `kernels.USE_TRITON_ON_CPU = True` (or NANOBATCH_TRITON_ON_CPU=1
 so that the dispatchers send CPU tensors to Triton as well (how the engine is
 tested end to end on Triton):
     TRITON_INTERPRET=1 NANOBATCH_TRITON_ON_CPU=1 python nanobatch.py ...
-Without triton installed this module still imports; the engine runs on the
-references and the *_triton functions raise a RuntimeError that says so.
+Without triton installed this module still imports; the engine runs on the CPU
+path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
+RuntimeError that says so.
 
 Sections: imports and switches / shape checks / references / the CPU path /
 Triton store_kv / Triton paged_attention / dispatch.
@@ -56,6 +57,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -302,18 +304,18 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    plan = plan or _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)
+    loops = _decode_loops(q.dtype)
+    if plan is None or (loops is None and any(isinstance(g, DecodeRows) for g in plan.decode)):
+        plan = _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)  # (again: the loops cannot run it)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
     # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     for g in plan.decode:
         if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
-            if _decode_loops(k_cache.dtype) is None:
-                raise ValueError(f"paged_attention_cpu: the plan was made for compiled loops, which do not read {k_cache.dtype} caches")
             bits, shift = LOOP_DTYPES[k_cache.dtype]
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
-            _decode_loops(k_cache.dtype)(q[g.rows].float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
-                                          shift, g.block_tables, g.seq_lens, scale, o.numpy())
+            loops(q[g.rows].float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
+                  shift, g.block_tables, g.seq_lens, scale, o.numpy())
             out[g.rows] = o.to(q.dtype)
             continue
         n, L = len(g.rows), g.num_keys
@@ -333,24 +335,39 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def _decode_loops(dtype):
     """The compiled decode loops for caches of this dtype, or None: numba not installed, switched
-    off (USE_CPU_LOOPS), or a dtype they do not read (fp16: numpy has no fp16 arithmetic in numba)."""
+    off (USE_CPU_LOOPS), failed to compile (a warning says why), or a dtype they do not read
+    (fp16: numba has no fp16 arithmetic on a CPU)."""
     if not USE_CPU_LOOPS or dtype not in LOOP_DTYPES:
         return None
-    return _compile_loops()
+    return _compile_loops(dtype)
 
 
 @functools.cache
-def _compile_loops():
+def _compile_loops(dtype):
+    """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
     try:
         import numba
     except ImportError:
         return None
     global prange
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # as many as torch uses
-    # cache=True: compiled once per machine (about 5 s per cache dtype), then loaded from __pycache__;
-    # reassoc lets the dot products run in SIMD lanes (IEEE infinities and NaNs are kept)
-    return numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)(_decode_attention_loops)
+    try:
+        # cache=True: compiled once per machine (about 5 s per cache dtype), then loaded from __pycache__;
+        # reassoc lets the dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's
+        # error model: 0/0 gives NaN (a row whose every score is -inf, as in the reference), not an exception
+        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(_decode_attention_loops)
+        bits, shift = LOOP_DTYPES[dtype]
+        q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
+        compiled(q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+    except Exception as e:  # e.g. no writable cache folder, or a numba that cannot compile this
+        warnings.warn(f"kernels: the compiled decode loops are off ({type(e).__name__}: {e}); the CPU path uses torch ops")
+        return None
+
+    def run(*args):
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # per calling thread: as torch
+        compiled(*args)
+
+    return run
 
 
 prange = range  # numba.prange once _compile_loops has run; plain range if the loops run as Python
@@ -390,7 +407,7 @@ def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
                     total[g] *= rescale
                     for d in range(head_dim):
                         acc[g, d] *= rescale
-                p = math.exp(score - best[g])
+                p = math.exp(score - best[g]) if score != -math.inf else np.float32(0.0)  # exp(-inf - -inf) is NaN
                 total[g] += p
                 for d in range(head_dim):
                     acc[g, d] += p * v_row[d]

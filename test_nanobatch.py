@@ -2176,20 +2176,37 @@ def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
     case = Case([(20, 1), (9, 1), (0, 6)], 8, 2, 3, 32, torch.float32, seed=3)
     args, _ = build(case)
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
-    assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
-    with pytest.raises(ValueError, match="do not read torch.float16"):  # a plan for the loops meets fp16 caches
-        kernels.paged_attention_cpu(q.half(), k_cache.half(), v_cache.half(), *args[3:], plan=plan)
     plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
-    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2
+    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+    if kernels._decode_loops(torch.float32) is not None:  # numba installed
+        plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
+        assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+        half = (q.half(), k_cache.half(), v_cache.half(), *args[3:])  # a plan for the loops meets fp16 caches: made again
+        assert torch.equal(kernels.paged_attention_cpu(*half, plan=plan).nan_to_num(), kernels.paged_attention_cpu(*half).nan_to_num())
     with monkeypatch.context() as mp:  # numba not installed: the torch groups
-        mp.setattr(kernels, "_compile_loops", lambda: None)
+        mp.setattr(kernels, "_compile_loops", lambda dtype: None)
         assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
     monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
     assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
     assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
     assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32) is None
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
+    """A key whose score is -inf gets no weight, as in the reference, also when it is a
+    sequence's first key (the loops' running max starts at -inf)."""
+    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", loops)
+    case = Case([(20, 1), (9, 1)], 8, 2, 3, 32, torch.float32, seed=5)
+    args, _ = build(case)
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    q[:, :, 0] = 1.0
+    for seq in range(2):  # every sequence's first key: score -inf for every head
+        k_cache[block_tables[seq, 0], 0, :, 0] = float("-inf")
+    want = kernels.paged_attention_ref(*args)
+    assert want.isfinite().all()
+    torch.testing.assert_close(kernels.paged_attention_cpu(*args), want, rtol=1e-5, atol=1e-5)
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
