@@ -221,7 +221,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
 #     attention as llama2.c writes it, reads each key and value in place in the paged cache, once.
 #     A decode step must read all of its K/V (~195 MB at batch 48 on the default model), and torch
 #     ops cannot read it in place: they gather it first, so they move it about four times over;
-#   - batched torch ops (no numba, or fp16 caches): decode rows sorted by length and cut into groups
+#   - batched torch ops (no numba, fp16 caches, or NANOBATCH_CPU_LOOPS=0): decode rows sorted by length, cut into groups
 #     of at most DECODE_GROUP_KEYS padded keys, so that little of a group is padding and its copies
 #     stay a few MB; per group two gathers and two batched matmuls:
 #       - K and V are gathered head-major, (kv_heads * seqs, keys, head_dim), from the cache viewed as
@@ -298,8 +298,8 @@ def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
-    """paged_attention for CPU tensors: decode rows batched by plan (built here if not given), prefill
-    sequences as in the reference. Writes `out` if given."""
+    """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
+    groups; the plan is made here if not given), prefill sequences as in the reference. Writes `out` if given."""
     _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
