@@ -412,8 +412,9 @@ class ForwardTimer:
             return out
 
         llm.model.forward, llm.step = timed_forward, timed_step
-        time_cpu_attention()
-        time_sampler()
+        for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
+            wrap_timed(kernels, name, add_attention_seconds)
+        wrap_timed(nanobatch, "sample", add_sample_seconds, sync=True)  # what LLM.step calls to sample
         SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
 
     def reset(self):
@@ -429,47 +430,39 @@ class ForwardTimer:
 
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
+SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample's seconds go to], once wrapped
 
 
-def time_cpu_attention():
-    """Wrap the two kernels.py functions that Model.forward calls for attention (once per process)."""
-    if getattr(kernels, "_bench_timed", False):
+def add_attention_seconds(seconds):
+    ATTENTION_SECONDS[0] += seconds
+
+
+def add_sample_seconds(seconds):
+    for timer in SAMPLE_TIMERS:
+        timer.sample_seconds += seconds
+
+
+def wrap_timed(module, name, add_seconds, sync=False):
+    """Replace module.name (once per process: the engine calls it by its module-global name) with a wrapper
+    that hands each call's seconds to add_seconds. sync: synchronise the first argument's device before and
+    after, so that on a GPU the work queued before the call is not counted and the call's own work is."""
+    fn = getattr(module, name)
+    if getattr(fn, "bench_timed", False):
         return
-    for name in ("paged_attention", "plan_paged_attention"):
-        fn = getattr(kernels, name)
-
-        def timed(*args, _fn=fn, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                ATTENTION_SECONDS[0] += time.perf_counter() - start
-
-        setattr(kernels, name, timed)
-    kernels._bench_timed = True
-
-
-SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample's time goes to], once wrapped
-
-
-def time_sampler():
-    """Wrap nanobatch.sample, which LLM.step calls by its module-global name (once per process)."""
-    if getattr(nanobatch, "_bench_timed", False):
-        return
-    sample = nanobatch.sample
 
     def timed(*args, **kwargs):
-        synchronize(args[0].device)  # on a GPU, the work queued before (logits rows, masks, penalties) is not the sampler's
+        if sync:
+            synchronize(args[0].device)
         start = time.perf_counter()
         try:
-            return sample(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            synchronize(args[0].device)
-            for timer in SAMPLE_TIMERS:
-                timer.sample_seconds += time.perf_counter() - start
+            if sync:
+                synchronize(args[0].device)
+            add_seconds(time.perf_counter() - start)
 
-    nanobatch.sample = timed
-    nanobatch._bench_timed = True
+    timed.bench_timed = True
+    setattr(module, name, timed)
 
 
 def host_split(step_s, forward_s, sample_s):

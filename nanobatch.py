@@ -819,7 +819,7 @@ class Model(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: BatchMetadata):
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
-        # so is the CPU attention's plan (which rows, which cache rows, which keys are padding); None on Triton
+        # so is the CPU attention's plan (which rows decode, and how: compiled loops or torch groups); None on Triton
         k_cache = kv_caches[0][0]
         meta.attn_plan = kernels.plan_paged_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], self.cfg.num_kv_heads, k_cache.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
