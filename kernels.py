@@ -163,10 +163,11 @@ def _check_triton(name, *tensors):
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0  # -1 marks a token whose K/V must not be written
-    slots = slot_mapping[keep]
+    if not keep.all():  # (a decode step has none: indexing with the mask would cost 4x the copy)
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     # a flat view: slot s is row s of (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _sequence_kv(cache, block_ids, seq_len):
@@ -313,10 +314,14 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     for g in plan.decode:
         if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
             bits, shift = LOOP_DTYPES[k_cache.dtype]
+            every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
-            loops(q[g.rows].float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
+            loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
                   shift, g.block_tables, g.seq_lens, scale, o.numpy())
-            out[g.rows] = o.to(q.dtype)
+            if every_row:
+                out.copy_(o)
+            else:
+                out.index_copy_(0, g.rows, o.to(q.dtype))
             continue
         n, L = len(g.rows), g.num_keys
         k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
