@@ -25,7 +25,9 @@ Workloads (--workload):
                     distinct question (the prompt-length range) and a short output: what prefix caching is for
     host            nanobatch alone: N sequences of --max-prompt-len random tokens prefill, then HOST_DECODE_STEPS
                     decode steps are timed, split into the model forward and the host's share (default: 256 x 2048
-                    on a random tiny Llama, where the forward is cheap and the engine's per-step host work shows)
+                    on a random tiny Llama, where the forward is cheap and the engine's per-step host work shows),
+                    once with generate()'s final-only outputs and once with add_request's cumulative ones (an
+                    output per request per step, as a streaming server builds)
     structured      N chat prompts asking for JSON, each constrained by one of a few JSON schemas
                     (nanobatch-structured, greedy, ended by its grammar), against the same batch unconstrained
                     (nanobatch) made to produce exactly as many tokens per request: the cost of the masks
@@ -72,6 +74,7 @@ import argparse
 import atexit
 import copy
 import ctypes
+import dataclasses
 import gc
 import json
 import math
@@ -132,6 +135,8 @@ STRUCTURED_SCHEMAS = {  # what the prompt asks for -> the JSON schema its output
                                                     "tags": {"type": "array", "items": STRING, "maxItems": 4}}, "required": ["name", "price", "in_stock"]},
 }
 HOST_DECODE_STEPS = 16  # decode steps timed by --workload host
+# --workload host measures both: generate()'s outputs (final only) and add_request's default (an output per request per step)
+HOST_OUTPUT_KINDS = ("final_only", "cumulative")
 RANDOM_TINY_LLAMA = "random-tiny-llama"  # --model value: the --workload host default, a 2-layer Llama built here
 TINY_LLAMA_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)  # the default tokenizer's vocabulary
@@ -811,20 +816,21 @@ def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
     return math.ceil(batch_size * context_len / max(1, max_num_batched_tokens - batch_size)) + 1
 
 
-def measure_decode_step(llm, batch_size, context_len, num_steps):
+def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cumulative"):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
     step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
-    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample)."""
+    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample).
+    output_kind: "cumulative" (add_request's default, what a server streams: every step builds an output
+    for every request) or "final_only" (what generate() asks for: no per-step outputs)."""
     begin_engine_run(llm)
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
     # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
-    params = greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4)
+    params = dataclasses.replace(greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4), output_kind=output_kind)
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
-    counts = dict.fromkeys(ids, 0)
-    while min(counts.values()) < 2:
-        for out in llm.step():
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+    requests = [llm.requests[i] for i in ids]
+    while min(len(r.seqs[0].output_token_ids) for r in requests) < 2:  # read from the engine: final_only gives no outputs yet
+        llm.step()
     synchronize(llm.device)
     llm.forward_timer.reset()
     start = time.perf_counter()
@@ -1236,15 +1242,16 @@ def run_host(args, model_path):
     print("[host] warm-up ...", file=sys.stderr, flush=True)
     measure_decode_step(llm, 4, 32, 2)
     print(f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...", file=sys.stderr, flush=True)
-    split = host_split(*measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS))
+    splits = {kind: host_split(*measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS, kind)) for kind in HOST_OUTPUT_KINDS}
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
-    print(format_host_split("nanobatch", split, f"mean of {HOST_DECODE_STEPS} decode steps"))
+    for kind, split in splits.items():
+        print(format_host_split(f"nanobatch ({kind})", split, f"mean of {HOST_DECODE_STEPS} decode steps"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "workload": {"name": "host", "num_seqs": args.num_requests, "context_len": context_len,
-                       "decode_steps": HOST_DECODE_STEPS, "dtype": args.dtype}, "host": split}, f, indent=2)
+                       "decode_steps": HOST_DECODE_STEPS, "dtype": args.dtype}, "host": splits}, f, indent=2)
 
 
 def resolve_model(args):

@@ -2223,6 +2223,19 @@ def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
         tiny_llm.step()
 
 
+def test_engine_freezes_the_loaded_heap_out_of_the_gc(tiny_models):
+    """Once an LLM is made, a full collection walks only what came after it (torch, transformers, the model
+    and the tokenizer are frozen: no 200 ms scan inside a step), and a dropped LLM is still freed at once."""
+    import gc
+    import weakref
+
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=16, **CPU)
+    assert gc.get_freeze_count() > 10 * len(gc.get_objects())
+    model = weakref.ref(llm.model)
+    del llm
+    assert model() is None
+
+
 def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
     for native, expected in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(nanobatch, "cpu_has_native_bf16", lambda: native)
