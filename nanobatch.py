@@ -212,6 +212,12 @@ class SamplingParams:
     def has_penalties(self):
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def text_each_step(self):
+        # the text is read as it grows: streamed (cumulative outputs) or searched for stop strings; else it
+        # is decoded once, when the request ends (LLM._detokenize)
+        return self.output_kind != "final_only" or bool(self.stop)
+
 
 @dataclass
 class Logprob:
@@ -562,7 +568,8 @@ class Scheduler:
             seq.block_ids[i] = dst
             seq.num_synced_blocks = min(seq.num_synced_blocks, i)  # the engine's block table row changes from here
             block_copies.append((src, dst))
-        seq.block_ids.extend(self.allocator.allocate() for _ in range(num_needed))
+        if num_needed > 0:
+            seq.block_ids.extend(self.allocator.allocate() for _ in range(num_needed))
         return True
 
     def _release(self, seq):
@@ -586,18 +593,18 @@ class Scheduler:
 
     def mark_computed(self, batch: ScheduledBatch):
         """After the forward: the new K/V are in the cache, full blocks become shareable."""
-        bs = self.block_size
+        bs, allocator, caching = self.block_size, self.allocator, self.config.enable_prefix_caching
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += num_new
-            for i in range(before // bs, -(-seq.num_computed_tokens // bs)):  # the blocks written this step
-                self.allocator.fill(seq.block_ids[i], min(bs, seq.num_computed_tokens - i * bs))
-            if not self.config.enable_prefix_caching:
-                continue
-            self._hash_full_blocks(seq, seq.num_computed_tokens)
-            for i in range(before // bs, seq.num_computed_tokens // bs):
+            end = seq.num_computed_tokens = before + num_new
+            for i in range(before // bs, -(-end // bs)):  # the blocks written this step
+                allocator.fill(seq.block_ids[i], min(bs, end - i * bs))
+            if not caching or end // bs == before // bs:
+                continue  # (no block became full: nothing to register)
+            self._hash_full_blocks(seq, end)
+            for i in range(before // bs, end // bs):
                 parent = seq.block_ids[i - 1] if i else None
-                self.allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+                allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def fork(self, parent, num_children, make_seq):
         """Samples 2..n of a request share every block of the prefilled prompt."""
@@ -917,7 +924,7 @@ def apply_penalties(logits, seqs, eos_token_ids):
     penalized = []
     for row, seq in enumerate(seqs):
         p = seq.request.params
-        if seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
             stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
             logits[row, stops] = -math.inf
         if p.logit_bias:
@@ -1630,6 +1637,7 @@ class LLM:
         for seq in request.seqs:
             if seq.status != FINISHED:
                 seq.finish_reason = "abort"
+                self._finish_text(seq)
                 self.scheduler.finish(seq)
         self.aborted.append(request)
 
@@ -1660,14 +1668,16 @@ class LLM:
             logits = logits[: len(sampled_seqs)]
         beam_outputs, sampled_seqs, logits = self._step_beams(sampled_seqs, logits)  # beam groups take their rows out
         # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
-        rows, seqs = [], []
-        for row, seq in enumerate(sampled_seqs):
-            family = [seq]
-            if not seq.request.forked:
-                family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
-            rows += [row] * len(family)
-            seqs += family
-        logits = logits[rows] if len(rows) != len(sampled_seqs) else logits  # (num_samples, vocab)
+        seqs = sampled_seqs
+        if not all(seq.request.forked for seq in sampled_seqs):
+            rows, seqs = [], []
+            for row, seq in enumerate(sampled_seqs):
+                family = [seq]
+                if not seq.request.forked:
+                    family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
+                rows += [row] * len(family)
+                seqs += family
+            logits = logits[rows]  # (num_samples, vocab)
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
         logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
         # logprobs are the model's own (vLLM's default): taken before grammar masks, penalties, bias and temperature
@@ -1749,7 +1759,7 @@ class LLM:
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.perf_counter()
-        touched = {}
+        touched = {}  # requests that may have an output: every cumulative one, a final_only one when a sample ends
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token_id)
             params = seq.request.params
@@ -1762,16 +1772,17 @@ class LLM:
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token_id].logprob
             num_chars = len(seq.text)
-            self._detokenize(seq, token_id)
+            if params.text_each_step:
+                self._detokenize(seq, token_id)
             self._check_stop(seq, token_id, num_chars)
             if seq.finish_reason is not None:
-                if seq.stop_reason is None or isinstance(seq.stop_reason, int):
-                    self._detokenize(seq, flush=True)  # a character still cut in the middle comes out as is
+                self._finish_text(seq)
                 self.scheduler.finish(seq)
             request = seq.request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            touched[request.request_id] = request
+            if params.output_kind != "final_only" or seq.finish_reason is not None:
+                touched[request.request_id] = request
         self.stats.num_output_tokens += len(token_ids)
         outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
         return outputs + self._collect_aborted()
@@ -1780,11 +1791,14 @@ class LLM:
         """Incremental detokenization with the tokenizers library's DecodeStream: each token
         costs O(1), the text grows by whole characters and equals a decode of all output
         tokens (a SentencePiece tokenizer drops the first output token's leading space, as
-        decoding the output tokens alone does). flush: a character still cut in the middle
-        at the end comes out as the replacement character, as a plain decode gives it."""
+        decoding the output tokens alone does). flush: the tokens not yet in the text are
+        decoded in one call: a character still cut in the middle at the end comes out as the
+        replacement character, as a plain decode gives it; for a request whose text nobody
+        reads before it ends (not text_each_step), that is every output token, decoded once."""
         if flush:
             if seq.num_detokenized < seq.num_output_tokens:
-                seq.text += self.tokenizer.decode(seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :], skip_special_tokens=True)
+                rest = seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :]
+                seq.text += self.tokenizer.decode(rest, skip_special_tokens=seq.request.params.skip_special_tokens)
                 seq.num_detokenized = seq.num_output_tokens
             return
         if seq.detokenizer is None:
@@ -1796,9 +1810,14 @@ class LLM:
             seq.text += piece
             seq.num_detokenized = seq.num_output_tokens
 
+    def _finish_text(self, seq):
+        if not isinstance(seq.stop_reason, str):  # (a stop string already cut the text where it ends)
+            self._detokenize(seq, flush=True)
+
     def _check_stop(self, seq, token_id, num_chars_before):
         params = seq.request.params
-        may_stop = seq.num_output_tokens >= params.min_tokens  # before min_tokens only the length limit ends it
+        num_output = seq.num_output_tokens
+        may_stop = num_output >= params.min_tokens  # before min_tokens only the length limit ends it
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
@@ -1807,7 +1826,7 @@ class LLM:
             seq.finish_reason = "stop"
         elif may_stop and params.stop and self._truncate_at_stop_string(seq, num_chars_before):
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
+        elif num_output >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     @staticmethod

@@ -1704,6 +1704,33 @@ def test_logit_bias_and_skip_special_tokens(folder_llm):
     assert out.text == "<|im_end|>" * 3
 
 
+def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm):
+    """A final_only request without stop strings is detokenized once, when it ends (or is aborted):
+    its text equals the incremental detokenizer's text of the same tokens streamed as cumulative
+    outputs, and a plain decode of its tokens, special tokens skipped or kept. High-temperature
+    sampling makes tokens that cut characters in the middle."""
+    def last_output(params, num_steps=None):
+        request_id = folder_llm.add_request("Write something odd:", params)
+        outputs, steps = [], 0
+        while folder_llm.has_unfinished_requests():
+            outputs += [o for o in folder_llm.step() if o.request_id == request_id]
+            steps += 1
+            if steps == num_steps:
+                folder_llm.abort_request(request_id)
+        return outputs[-1].outputs[0], len(outputs)
+
+    for skip in (True, False):
+        params = SamplingParams(temperature=1.6, seed=11, max_tokens=48, ignore_eos=True, skip_special_tokens=skip)
+        streamed, num_streamed = last_output(params)
+        final, num_final = last_output(dataclasses.replace(params, output_kind="final_only"))
+        assert num_streamed == 48 and num_final == 1, "cumulative: one output per token; final_only: one in all"
+        assert final.token_ids == streamed.token_ids and final.text == streamed.text
+        assert final.text == folder_llm.tokenizer.decode(final.token_ids, skip_special_tokens=skip)
+    aborted, _ = last_output(dataclasses.replace(params, output_kind="final_only"), num_steps=6)
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 48
+    assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False)
+
+
 def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
     prompt = "The capital of France is"
     greedy = folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
