@@ -183,22 +183,19 @@ def _sequence_kv(cache, block_ids, seq_len):
 def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, scale, out):
     """Causal attention of one sequence's q_len new tokens (q rows start : start + q_len) over its
     seq_len cached keys, written to the same rows of out. SDPA runs in the cache's dtype and
-    accumulates in fp32 (upcasting copies would cost 2-3x on CPU)."""
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
+    accumulates in fp32 (upcasting copies would cost 2-3x on CPU); enable_gqa lets each kv head
+    serve its group of query heads without a copy of K and V per query head."""
+    block_size = k_cache.shape[1]
     block_ids = block_table[: -(-seq_len // block_size)].tolist()
     k = _sequence_kv(k_cache, block_ids, seq_len).transpose(0, 1)[None]  # (1, Hkv, L, D): exactly the sequence's keys
     v = _sequence_kv(v_cache, block_ids, seq_len).transpose(0, 1)[None]
-    # pack the group's query heads: (Q, H, D) -> (1, Hkv, G*Q, D), row = head_in_group * Q + token
-    qs = q[start : start + q_len].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qs = qs.reshape(1, num_kv_heads, group * q_len, head_dim)
-    # causal rule: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
-    q_pos = torch.arange(q_len, device=q.device).repeat(group) + (seq_len - q_len)  # (G*Q,)
-    visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (G*Q, L)
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible[None, None], scale=scale)  # (1, Hkv, G*Q, D)
-    o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # (Q, Hkv, G, D)
-    out[start : start + q_len] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    qs = q[start : start + q_len].transpose(0, 1)[None]  # (1, H, Q, D)
+    if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read; 1.4-2.4x faster on CPU)
+        o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # after a cached prefix: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)  # (1, H, Q, D)
+    out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
