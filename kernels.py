@@ -394,7 +394,6 @@ def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    shift &= 31  # tells LLVM the shift fits a 32-bit lane: the widening then runs 16 lanes at a time
     c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
     for job in prange(n * num_kv_heads):  # one (sequence, kv head) per job: its query heads share every key
         i, h = job // num_kv_heads, job % num_kv_heads
@@ -413,10 +412,16 @@ def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
         for b in range((seq_lens[i] + block_size - 1) // block_size):
             block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
             for t in range(num):
-                for d in range(head_dim):
-                    key_bits[t, d] = np.uint32(k[block, t, h, d]) << shift
-                for d in range(head_dim):
-                    value_bits[t, d] = np.uint32(v[block, t, h, d]) << shift
+                if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time (1.2x the whole loops)
+                    for d in range(head_dim):
+                        key_bits[t, d] = np.uint32(k[block, t, h, d]) << 16
+                    for d in range(head_dim):
+                        value_bits[t, d] = np.uint32(v[block, t, h, d]) << 16
+                else:
+                    for d in range(head_dim):
+                        key_bits[t, d] = np.uint32(k[block, t, h, d])
+                    for d in range(head_dim):
+                        value_bits[t, d] = np.uint32(v[block, t, h, d])
             for g in range(group):
                 new_best = best[g]
                 for t in range(num):
