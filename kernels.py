@@ -48,8 +48,8 @@ Without triton installed this module still imports; the engine runs on the CPU
 path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
 RuntimeError that says so.
 
-Sections: imports and switches / shape checks / references / the CPU path /
-Triton store_kv / Triton paged_attention / dispatch.
+Sections: imports and switches / shape checks / references / the CPU path (and its greedy
+argmax, argmax_rows, which the sampler calls) / Triton store_kv / Triton paged_attention / dispatch.
 Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
@@ -87,8 +87,8 @@ except ImportError as e:  # CPU-only installs: the references still work
 # TRITON_INTERPRET=1 set before import). CUDA tensors always go to Triton.
 # Set it here, or start with NANOBATCH_TRITON_ON_CPU=1 in the environment.
 USE_TRITON_ON_CPU = os.environ.get("NANOBATCH_TRITON_ON_CPU", "0") == "1"
-# The CPU path's decode attention as compiled loops (numba, when installed) rather than batched
-# torch ops. Set it here, or start with NANOBATCH_CPU_LOOPS=0 to use the torch ops.
+# The CPU path's decode attention and greedy argmax as compiled loops (numba, when installed) rather
+# than torch ops. Set it here, or start with NANOBATCH_CPU_LOOPS=0 to use the torch ops.
 USE_CPU_LOOPS = os.environ.get("NANOBATCH_CPU_LOOPS", "1") == "1"
 # Whether the kernels below were decorated as interpreted (CPU) functions.
 TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -347,6 +347,15 @@ def _decode_loops(dtype):
 @functools.cache
 def _compile_loops(dtype):
     """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
+    bits, shift = LOOP_DTYPES[dtype]
+    q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
+    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+    return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
+
+
+def _compile(loops, probe, what, fallback):
+    """numba's compiled loops, tried once on the probe arguments; None (with a warning naming `what` went
+    off and the `fallback`) if numba is not installed or cannot compile them."""
     try:
         import numba
     except ImportError:
@@ -354,15 +363,13 @@ def _compile_loops(dtype):
     global prange
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
     try:
-        # cache=True: compiled once per machine (about 5 s per cache dtype), then loaded from __pycache__;
-        # reassoc lets the dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's
-        # error model: 0/0 gives NaN (a row whose every score is -inf, as in the reference), not an exception
-        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(_decode_attention_loops)
-        bits, shift = LOOP_DTYPES[dtype]
-        q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
-        compiled(q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+        # cache=True: compiled once per machine (seconds), then loaded from __pycache__; reassoc lets the
+        # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
+        # NaN (a row whose every score is -inf, as in the reference), not an exception
+        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(loops)
+        compiled(*probe)
     except Exception as e:  # e.g. no writable cache folder, or a numba that cannot compile this
-        warnings.warn(f"kernels: the compiled decode loops are off ({type(e).__name__}: {e}); the CPU path uses torch ops")
+        warnings.warn(f"kernels: {what} ({type(e).__name__}: {e}); {fallback}")
         return None
 
     def run(*args):
@@ -457,6 +464,57 @@ def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
         for g in range(group):
             for d in range(head_dim):
                 out[i, h * group + g, d] = acc[g, d] / total[g]
+
+
+# ---- The CPU path: greedy argmax over bf16 logits ----
+# A greedy step's sampler is one argmax per row over the vocabulary (256 rows x 49152 bf16 is 25 MB).
+# torch's argmax on bf16 takes ~20 ms there and the sampler's two-level amax ~3 ms; these loops compare
+# the bf16 bits as 16-bit integers in SIMD lanes, in two passes that never branch per element: ~1 ms.
+
+
+def argmax_rows(logits):
+    """The first index of each row's maximum, as torch.argmax gives it (a NaN counts as the maximum,
+    -0.0 equals +0.0), for a CPU bf16 (rows, vocab) tensor -> (rows,) int64; None where the loops do
+    not run (another device or dtype, numba not installed or USE_CPU_LOOPS off): the caller uses torch."""
+    if not USE_CPU_LOOPS or logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or logits.dim() != 2:
+        return None
+    loops = _compile_argmax()
+    if loops is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    loops(logits.contiguous().view(torch.int16).numpy(), out.numpy())
+    return out
+
+
+@functools.cache
+def _compile_argmax():
+    probe = (np.zeros((1, 3), np.int16), np.zeros(1, np.int64))
+    return _compile(_argmax_loops, probe, "the compiled argmax is off", "the sampler uses torch ops")
+
+
+def _argmax_loops(x, out):
+    """x (rows, vocab) int16: bf16 bits (sign, then magnitude); out (rows,) int64.
+    Pass 1: the largest and smallest bits, and whether a NaN (magnitude above inf's 0x7F80) is there.
+    The best float is then the largest bits if any is >= 0 (a positive float; ordered like its bits),
+    else the smallest (among negative floats, the smallest magnitude). Pass 2: the first index holding
+    it, as a min over indices (no early exit: it runs in SIMD lanes)."""
+    rows, vocab = x.shape
+    for i in prange(rows):
+        hi, lo, nan = np.int16(-32768), np.int16(32767), False
+        for j in range(vocab):
+            hi = max(hi, x[i, j])
+            lo = min(lo, x[i, j])
+            nan |= (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80)
+        first, none = np.int32(vocab), np.int32(vocab)
+        if nan:  # argmax's best is the first NaN
+            for j in range(vocab):
+                first = min(first, np.int32(j) if (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80) else none)
+        else:
+            best = hi if hi >= 0 else lo
+            same = np.int16(-32768) if best == 0 else best  # +0.0's bits are 0, -0.0's are 0x8000: equal floats
+            for j in range(vocab):
+                first = min(first, np.int32(j) if (x[i, j] == best) | (x[i, j] == same) else none)
+        out[i] = first
 
 
 # ---- Triton: store_kv ----

@@ -1087,10 +1087,14 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     return tokens
 
 
-def greedy_tokens(logits, chunk=1024):
-    """The first best token of each row, as argmax gives it, in two levels: the best chunk of
-    `chunk` tokens (amax: one vectorised pass, no indices), then the best token inside it.
-    On a CPU, 3 ms where argmax takes 10 (256 rows x 49152, bf16). logits (S, vocab) -> (S,)."""
+def greedy_tokens(logits, chunk=1024, loops=True):
+    """The first best token of each row, as argmax gives it. bf16 on a CPU: kernels.argmax_rows's
+    compiled loops (1 ms at 256 rows x 49152) when numba is there (and loops=True). Else in two levels:
+    the best chunk of `chunk` tokens (amax: one vectorised pass, no indices), then the best token inside
+    it; on a CPU, 3 ms where argmax takes 20 (256 rows x 49152, bf16). logits (S, vocab) -> (S,)."""
+    tokens = kernels.argmax_rows(logits) if loops else None
+    if tokens is not None:
+        return tokens
     rows, vocab = logits.shape
     n = vocab // chunk
     maxes = logits[:, : n * chunk].view(rows, n, chunk).amax(dim=-1)  # (S, n)

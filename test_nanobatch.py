@@ -533,16 +533,21 @@ def test_sampler_temperature_zero_is_argmax():
 @given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 64, 1024]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), ties=st.booleans(), special=st.booleans(), seed=st.integers(0, 2**16))
 def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, ties, special, seed):
-    """The two-level argmax gives argmax's token, ties (the first best), a last, shorter chunk and
-    infinities and NaNs (argmax takes the first NaN as the best) included."""
+    """The two-level argmax and the compiled bf16 argmax give argmax's token: ties (the first best),
+    a last, shorter chunk, rows all negative, -0.0 against +0.0, and infinities and NaNs of either sign
+    (argmax takes the first NaN as the best) included."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
-    if ties:  # a few coarse values: many rows hold their maximum more than once
-        logits = logits.round().clamp(-1, 1)
-    if special:  # a few -inf, +inf and NaN at random places
+    if ties:  # a few coarse values: many rows hold their maximum more than once (round gives -0.0 too)
+        logits = logits.round().clamp(-1, 1) * 0.5
+    logits[0] = -logits[0].abs()  # every value negative (or -0.0)
+    if special:  # a few -inf, +inf and NaNs at random places
         where = torch.randint(0, rows * vocab, (6,), generator=g)
-        logits.view(-1)[where] = torch.tensor([float("-inf"), float("inf"), float("nan")] * 2, dtype=dtype)
-    assert torch.equal(nanobatch.greedy_tokens(logits, chunk), logits.float().argmax(dim=-1))
+        logits.view(-1)[where] = torch.tensor([float("-inf"), float("inf"), float("nan"), -float("nan"), -0.0, 0.0], dtype=dtype)
+    want = logits.float().argmax(dim=-1)
+    assert torch.equal(nanobatch.greedy_tokens(logits, chunk, loops=False), want)
+    if dtype == torch.bfloat16 and kernels.argmax_rows(logits) is not None:
+        assert torch.equal(kernels.argmax_rows(logits), want)
 
 
 def test_same_seed_same_output_whatever_the_batch(tiny_llm):
