@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -548,6 +549,37 @@ def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, 
     assert torch.equal(nanobatch.greedy_tokens(logits, chunk, loops=False), want)
     if dtype == torch.bfloat16 and kernels.argmax_rows(logits) is not None:
         assert torch.equal(kernels.argmax_rows(logits), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 40), heads=st.integers(1, 5), half=st.integers(1, 40), scale=st.sampled_from([0.01, 1.0, 50.0]),
+       special=st.booleans(), seed=st.integers(0, 2**16))
+def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
+    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary
+    embedding bit for bit (torch's roundings to bf16, done where torch does them), RMSNorm within two
+    ulps (its sum of squares adds in another order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
+    if kernels.rms_norm_cpu(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), 1e-6) is None:
+        pytest.skip("no numba: the model uses the torch ops")
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, heads, 2 * half, generator=g) * scale).bfloat16()
+    if special:
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor([float("inf"), -float("inf"), float("nan")]).bfloat16()
+    weight = torch.randn(2 * half, generator=g).bfloat16()
+    angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    kernels.USE_CPU_LOOPS = False
+    try:
+        want_rot = nanobatch.Rotary.apply(x, cos, sin)
+        want_norm = nanobatch.RMSNorm.forward(types.SimpleNamespace(weight=weight, eps=1e-6), x)
+    finally:
+        kernels.USE_CPU_LOOPS = True
+    rot = kernels.rotary_cpu(x, cos, sin)
+    assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
+    assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
+    got = kernels.rms_norm_cpu(x, weight, 1e-6).float()
+    assert torch.equal(got.isnan(), want_norm.float().isnan())
+    ok = ~got.isnan()
+    assert torch.allclose(got[ok], want_norm.float()[ok], rtol=2**-6, atol=0)  # x rounded an ulp apart, then weight * x: two ulps at most
 
 
 def test_same_seed_same_output_whatever_the_batch(tiny_llm):
