@@ -530,8 +530,9 @@ def _argmax_loops(x, out):
 # prefill of the default model, RMSNorm took 1.2 ms a call in torch and 0.1-0.3 ms as one loop.
 # The loops round to bf16 where torch does (round to nearest even, NaN kept), so the rotary
 # embedding's results are torch's bit for bit and RMSNorm's differ only where the sum of squares,
-# added in another order, moves x across a rounding step (rarely; two ulps at most, after weight * x). Both return None where they do not run (not a CPU
-# bf16 tensor, numba not installed or USE_CPU_LOOPS off): the model then uses torch ops.
+# added in another order, moves x across a rounding step (rarely; two ulps at most, after
+# weight * x). Both return None where they do not run (not a CPU bf16 tensor, numba not
+# installed or USE_CPU_LOOPS off): the model then uses torch ops.
 
 
 def rms_norm_cpu(x, weight, eps):
@@ -550,7 +551,7 @@ def rms_norm_cpu(x, weight, eps):
 def rotary_cpu(x, cos, sin):
     """x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do.
     x (tokens, heads, head_dim) bf16; cos, sin (tokens, 1, head_dim) bf16."""
-    if not _bf16_loops_apply(x, cos, sin) or x.dim() != 3:
+    if not _bf16_loops_apply(x, cos, sin) or x.dim() != 3 or x.shape[-1] % 2:
         return None
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
@@ -567,9 +568,9 @@ def _bf16_loops_apply(*tensors):
 
 @functools.cache
 def _compile_elementwise(loops):
-    probe = {_rms_norm_loops: lambda: (np.zeros((1, 2), np.int16), np.zeros(2, np.int16), 1e-6, np.zeros((1, 2), np.int16)),
-             _rotary_loops: lambda: (np.zeros((1, 1, 2), np.int16), np.zeros((1, 2), np.int16), np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16))}
-    return _compile(loops, probe[loops](), f"the compiled {loops.__name__} are off", "the model uses torch ops")
+    row, head = np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16)  # one token: a row of 2, a head of 2
+    probe = {_rms_norm_loops: (row, row[0], 1e-6, row.copy()), _rotary_loops: (head, row, row, head.copy())}[loops]
+    return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
 
 
 def _widen(bits, out):
