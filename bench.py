@@ -846,7 +846,10 @@ def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cu
 
 
 def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())  # tied embeddings once
+    # the weights a decode step reads: every parameter (tied embeddings once) but a separate embedding
+    # table's, of which a step reads a few rows (on a CPU, bf16, a tied lm_head holds a packed copy of it)
+    embedding = llm.model.model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters() if p is not embedding or p is llm.model.lm_head.weight)
     bytes_per_token = kv_bytes_per_block(llm) // llm.config.block_size
     num_steps = 16
     kv_bytes = batch_size * (context_len + 2 + num_steps // 2) * bytes_per_token  # about: some are a few tokens ahead

@@ -567,7 +567,7 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, sca
     weight = torch.randn(2 * half, generator=g).bfloat16()
     angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    kernels.USE_CPU_LOOPS = False
+    kernels.USE_CPU_LOOPS = False  # (not monkeypatch: hypothesis reruns the body within one test call)
     try:
         want_rot = nanobatch.Rotary.apply(x, cos, sin)
         want_norm = nanobatch.RMSNorm.forward(types.SimpleNamespace(weight=weight, eps=1e-6), x)
@@ -576,10 +576,10 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, sca
     rot = kernels.rotary_cpu(x, cos, sin)
     assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
     assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
-    got = kernels.rms_norm_cpu(x, weight, 1e-6).float()
-    assert torch.equal(got.isnan(), want_norm.float().isnan())
-    ok = ~got.isnan()
-    assert torch.allclose(got[ok], want_norm.float()[ok], rtol=2**-6, atol=0)  # x rounded an ulp apart, then weight * x: two ulps at most
+    got = kernels.rms_norm_cpu(x, weight, 1e-6)
+    assert torch.equal(got.isnan(), want_norm.isnan())
+    ok = ~got.isnan()  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
+    assert ((got.view(torch.int16)[ok].int() - want_norm.view(torch.int16)[ok].int()).abs() <= 2).all()
 
 
 def test_same_seed_same_output_whatever_the_batch(tiny_llm):
@@ -2325,7 +2325,9 @@ def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family
     path = tiny_models[family][0]
     packed = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
     linears = [m for m in packed.model.modules() if isinstance(m, nanobatch.Linear)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    if not linears[0].weight.is_mkldnn:
+        pytest.skip("this torch has no oneDNN bf16 packing (pack_for_cpu warned and kept F.linear)")
+    assert all(m.weight.is_mkldnn for m in linears)
     monkeypatch.setattr(nanobatch, "pack_for_cpu", lambda model: None)
     plain = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
     for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, nanobatch.Linear)]):
