@@ -534,10 +534,10 @@ def _argmax_loops(x, out):
 # prefill's (2048, 576) of the default model, measured alone, RMSNorm took 1.2 ms in torch and 0.3 ms
 # as one loop.
 # The loops round to bf16 where torch does (round to nearest even, NaN kept), so the rotary
-# embedding's results are torch's bit for bit (but for the sign and payload bits of a NaN) and RMSNorm's differ only where the sum of squares,
-# added in another order, moves x across a rounding step (rarely; two ulps at most, after
-# weight * x). Both return None where they do not run (not a CPU bf16 tensor, numba not
-# installed or USE_CPU_LOOPS off): the model then uses torch ops.
+# embedding's results are torch's bit for bit (but for the sign and payload bits of a NaN), and
+# RMSNorm's differ only where the sum of squares, added in another order, moves x across a rounding
+# step (rarely; two ulps at most, after weight * x). Both return None where they do not run (not a
+# CPU bf16 tensor, numba not installed or USE_CPU_LOOPS off): the model then uses torch ops.
 
 
 def rms_norm_cpu(x, weight, eps):
@@ -556,9 +556,12 @@ def rms_norm_cpu(x, weight, eps):
 def rotary_cpu(x, cos, sin):
     """x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do.
     x (tokens, heads, head_dim) bf16; cos, sin (tokens, 1, head_dim) bf16."""
-    tokens, _, head_dim = x.shape if x.dim() == 3 else (0, 0, 1)
-    if not _bf16_loops_apply(x, cos, sin) or x.dim() != 3 or head_dim % 2 or not cos.shape == sin.shape == (tokens, 1, head_dim):
-        return None  # (the loops check no bounds: shapes they do not expect go to torch, which broadcasts or raises)
+    # the loops check no bounds: shapes they do not expect go to torch, which broadcasts or raises
+    if x.dim() != 3 or not _bf16_loops_apply(x, cos, sin):
+        return None
+    tokens, _, head_dim = x.shape
+    if head_dim % 2 or not cos.shape == sin.shape == (tokens, 1, head_dim):
+        return None
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
         return None

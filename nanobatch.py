@@ -736,7 +736,8 @@ def pack_for_cpu(model):
         warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
         return
     for m in linears:
-        m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), requires_grad=False)
+        w = packed if m is first else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+        m.weight = nn.Parameter(w, requires_grad=False)
 
 
 class RMSNorm(nn.Module):
