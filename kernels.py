@@ -51,9 +51,11 @@ Without triton installed this module still imports; the engine runs on the CPU
 path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
 RuntimeError that says so.
 
-Sections: imports and switches / shape checks / references / the CPU path (attention, then
-the greedy argmax and the bf16 RMSNorm and rotary loops) / Triton store_kv / Triton
-paged_attention / dispatch.
+Sections, in reading order: imports and switches / shape checks / plain-torch references (the
+rule itself) / Triton store_kv / Triton paged_attention / dispatch (what nanobatch.py calls,
+plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
+the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
+argmax, and the bf16 RMSNorm and rotary loops.
 Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
@@ -167,7 +169,7 @@ def _check_triton(name, *tensors):
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0  # -1 marks a token whose K/V must not be written
-    if not keep.all():  # (a decode step has none: indexing with the mask would cost 4x the copy)
+    if not keep.all():  # (a decode step has none: indexing with the mask would cost more than the copy)
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     # a flat view: slot s is row s of (num_blocks * block_size, num_kv_heads, head_dim)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -187,14 +189,14 @@ def _sequence_kv(cache, block_ids, seq_len):
 def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, scale, out):
     """Causal attention of one sequence's q_len new tokens (q rows start : start + q_len) over its
     seq_len cached keys, written to the same rows of out. SDPA runs in the cache's dtype and
-    accumulates in fp32 (upcasting copies would cost 2-3x on CPU); enable_gqa lets each kv head
+    accumulates in fp32 (no upcasting copies); enable_gqa lets each kv head
     serve its group of query heads without a copy of K and V per query head."""
     block_size = k_cache.shape[1]
     block_ids = block_table[: -(-seq_len // block_size)].tolist()
     k = _sequence_kv(k_cache, block_ids, seq_len).transpose(0, 1)[None]  # (1, Hkv, L, D): exactly the sequence's keys
     v = _sequence_kv(v_cache, block_ids, seq_len).transpose(0, 1)[None]
     qs = q[start : start + q_len].transpose(0, 1)[None]  # (1, H, Q, D)
-    if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read; 1.4-2.4x faster on CPU)
+    if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # after a cached prefix: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
         visible = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
@@ -212,442 +214,6 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         if q_lens[i] > 0:
             _attend_sequence(q, k_cache, v_cache, block_tables[i], seq_len, start, q_lens[i], scale, out)
     return out
-
-
-# ---- The CPU path: a plan per step; decode rows by compiled loops or batched torch ops ----
-# The engine's CPU attention. Per sequence (the reference) costs a dozen small torch ops per
-# sequence per layer: at batch 48 and 30 layers, most of the time goes to op overhead. Here the
-# work that is the same in every layer (which rows, which blocks, which keys are padding) is
-# planned once per step. Decode rows (one query each) then take one of two routes:
-#   - compiled loops (numba installed, caches in bf16 or fp32): _decode_attention_loops below, the
-#     attention as llama2.c writes it, reads each key and value in place in the paged cache, once.
-#     A decode step must read all of its K/V (~195 MB at batch 48 on the default model), and torch
-#     ops cannot read it in place: they gather it first, so they move it about four times over;
-#   - batched torch ops (no numba, fp16 caches, or NANOBATCH_CPU_LOOPS=0): decode rows sorted by length, cut into groups
-#     of at most DECODE_GROUP_KEYS padded keys, so that little of a group is padding and its copies
-#     stay a few MB; per group two gathers and two batched matmuls:
-#       - K and V are gathered head-major, (kv_heads * seqs, keys, head_dim), from the cache viewed as
-#         (slots * kv_heads, head_dim) rows, so the matmuls take them without another copy (GQA: the
-#         query heads of a kv head are the rows of one matrix);
-#       - padded keys point at the sequence's last key (finite, never an unowned slot), bias -inf;
-#       - q.k and the softmax run in fp32 (K is upcast after the gather); the probabilities are
-#         rounded to the cache dtype before P @ V, as in the Triton kernel.
-# Prefill sequences go one at a time, as in the reference (their queries fill the matmuls anyway).
-DECODE_GROUP_KEYS = 4096  # measured at batch 48, contexts 32-320 (bf16): 4096 beat one whole-batch group by ~15%
-LOOP_DTYPES = {torch.bfloat16: (torch.uint16, 16), torch.float32: (torch.uint32, 0)}  # cache dtype -> (its bits, shift to fp32)
-
-
-@dataclass
-class DecodeGroup:
-    rows: torch.Tensor  # (n,) int64: the group's q rows (one per sequence)
-    kv_rows: torch.Tensor  # (kv_heads * n * num_keys,) int64: rows of cache.view(-1, head_dim), head-major
-    bias: torch.Tensor  # (n, 1, num_keys) fp32: 0 for a real key, -inf for padding
-    num_keys: int  # the group's longest sequence
-
-
-@dataclass
-class DecodeRows:
-    """The compiled loops' inputs: numpy views, made once per step."""
-
-    rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
-    block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
-    seq_lens: object  # (n,) int32 numpy array: their lengths
-
-
-@dataclass
-class CpuAttentionPlan:
-    decode: list  # [DecodeGroup] for the torch ops, or [DecodeRows] for the compiled loops
-    prefill: list  # [sequence index] with more than one query row
-
-
-def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
-    """The per-step part of paged_attention_cpu, shared by every layer (dtype: the caches'): None where
-    it does not run (Triton, or a GPU without triton installed: the reference)."""
-    if _use_triton(block_tables) or block_tables.device.type != "cpu":
-        return None
-    return _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype)
-
-
-def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
-    plan = CpuAttentionPlan(decode=[], prefill=[i for i, n in enumerate(q_lens) if n > 1])
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode and _decode_loops(dtype) is not None:
-        idx = torch.tensor(decode)
-        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy()))
-        return plan
-    group = []
-    for i in sorted(decode, key=lens.__getitem__):
-        if group and (len(group) + 1) * lens[i] > DECODE_GROUP_KEYS:  # lens[i]: the longest so far
-            plan.decode.append(_decode_group(group, lens, starts, block_tables, seq_lens, block_size, num_kv_heads))
-            group = []
-        group.append(i)
-    if group:
-        plan.decode.append(_decode_group(group, lens, starts, block_tables, seq_lens, block_size, num_kv_heads))
-    return plan
-
-
-def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv_heads):
-    idx, n, num_keys = torch.tensor(seqs), len(seqs), lens[seqs[-1]]
-    pos = torch.arange(num_keys).expand(n, num_keys)  # (n, L) key positions
-    last = seq_lens[idx, None].long() - 1  # (n, 1)
-    key = torch.minimum(pos, last)  # padding reads the sequence's last key, then is masked out
-    slots = block_tables[idx].long().gather(1, key // block_size) * block_size + key % block_size  # (n, L)
-    kv_rows = slots.flatten()[None, :] * num_kv_heads + torch.arange(num_kv_heads)[:, None]  # (Hkv, n * L)
-    bias = torch.zeros(n, 1, num_keys).masked_fill_((pos > last)[:, None, :], float("-inf"))
-    return DecodeGroup(torch.tensor([starts[i] for i in seqs]), kv_rows.flatten(), bias, num_keys)
-
-
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
-    """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
-    groups; the plan is made here if not given), prefill sequences as in the reference. Writes `out` if given."""
-    _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    loops = _decode_loops(q.dtype)
-    if plan is None or (loops is None and any(isinstance(g, DecodeRows) for g in plan.decode)):
-        plan = _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)  # (again: the loops cannot run it)
-    out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
-    # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
-    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
-    for g in plan.decode:
-        if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
-            bits, shift = LOOP_DTYPES[k_cache.dtype]
-            every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
-            o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
-            loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
-                  shift, g.block_tables, g.seq_lens, scale, o.numpy())
-            if every_row:
-                out.copy_(o)
-            else:
-                out.index_copy_(0, g.rows, o.to(q.dtype))
-            continue
-        n, L = len(g.rows), g.num_keys
-        k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
-        v = v_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim)
-        qg = q[g.rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads * n, group, head_dim)
-        scores = torch.bmm(qg.float(), k.transpose(1, 2)).view(num_kv_heads, n, group, L)  # (Hkv, n, G, L) fp32
-        probs = (scores * scale + g.bias).softmax(-1).to(q.dtype).view(num_kv_heads * n, group, L)
-        o = torch.bmm(probs, v).view(num_kv_heads, n, group, head_dim)  # (Hkv, n, G, D)
-        out[g.rows] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
-    if plan.prefill:
-        lens, starts, ends = seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()
-        for i in plan.prefill:
-            _attend_sequence(q, k_cache, v_cache, block_tables[i], lens[i], starts[i], ends[i] - starts[i], scale, out)
-    return out
-
-
-def _decode_loops(dtype):
-    """The compiled decode loops for caches of this dtype, or None: numba not installed, switched
-    off (USE_CPU_LOOPS), failed to compile (a warning says why), or a dtype they do not read
-    (fp16: numba has no fp16 arithmetic on a CPU)."""
-    if not USE_CPU_LOOPS or dtype not in LOOP_DTYPES:
-        return None
-    return _compile_loops(dtype)
-
-
-@functools.cache
-def _compile_loops(dtype):
-    """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
-    bits, shift = LOOP_DTYPES[dtype]
-    q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
-    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
-    return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
-
-
-def _compile(loops, probe, what, fallback):
-    """numba's compiled loops, tried once on the probe arguments; None (with a warning naming `what` went
-    off and the `fallback`) if numba is not installed or cannot compile them."""
-    try:
-        import numba
-    except ImportError:
-        return None
-    global prange
-    prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
-    for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
-        if not hasattr(globals()[helper], "py_func"):
-            globals()[helper] = numba.njit(inline="always")(globals()[helper])
-    try:
-        # cache=True: compiled once per machine (seconds), then loaded from __pycache__; reassoc lets the
-        # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
-        # NaN (a row whose every score is -inf, as in the reference), not an exception
-        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(loops)
-        compiled(*probe)
-    except Exception as e:  # e.g. no writable cache folder, or a numba that cannot compile this
-        warnings.warn(f"kernels: {what} ({type(e).__name__}: {e}); {fallback}")
-        return None
-
-    def run(*args):
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # per calling thread: as torch
-        compiled(*args)
-
-    return run
-
-
-prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
-# Plain functions until _compile makes them numba functions. They must stay in this file: numba's
-# cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_round", "_narrow")
-
-
-# 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
-# about fp32's rounding), lowest power first. The loops' exp is built on it: a libm call per score does not
-# run in SIMD lanes, and was a third of the loops' time.
-EXP2_POLY = (0.9999998957631347, 0.693154620003295, 0.24014077009186627, 0.05586328265919315, 0.008946214666375036, 0.0018951072910012572)
-LOG2_E = 1.4426950408889634
-
-
-def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
-    """Decode attention as plain loops (numba compiles them): each sequence's one query row
-    against its keys and values, read in place from the paged cache, once, with an online
-    softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
-    the sums rescaled when a block raises it).
-    q (n, H, D) fp32; k, v (num_blocks, block_size, Hkv, D): the caches' bits, uint16 for bf16
-    (widened to fp32 by a 16-bit shift: bf16 is the top half of an fp32) or uint32 for fp32
-    (shift 0); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32.
-    Every inner loop runs over contiguous fp32 rows with no call in it, so LLVM gives it SIMD lanes."""
-    n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
-    for job in prange(n * num_kv_heads):  # one (sequence, kv head) per job: its query heads share every key
-        i, h = job // num_kv_heads, job % num_kv_heads
-        qh = np.empty((group, head_dim), np.float32)  # the group's query heads, scaled
-        for g in range(group):
-            for d in range(head_dim):
-                qh[g, d] = q[i, h * group + g, d] * np.float32(scale)
-        key_bits, value_bits = np.empty((block_size, head_dim), np.uint32), np.empty((block_size, head_dim), np.uint32)
-        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)  # one block of head h, widened
-        weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
-        pow2_bits = np.empty(block_size, np.uint32)
-        pow2 = pow2_bits.view(np.float32)  # 2**whole of each weight, made from its exponent bits
-        best = np.full(group, -np.inf, np.float32)  # the running max score of each query head
-        total = np.zeros(group, np.float32)  # sum of exp(score - best)
-        acc = np.zeros((group, head_dim), np.float32)  # sum of exp(score - best) * value
-        for b in range((seq_lens[i] + block_size - 1) // block_size):
-            block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
-            for t in range(num):
-                if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time (1.2x the whole loops)
-                    for d in range(head_dim):
-                        key_bits[t, d] = np.uint32(k[block, t, h, d]) << 16
-                    for d in range(head_dim):
-                        value_bits[t, d] = np.uint32(v[block, t, h, d]) << 16
-                else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
-                    for d in range(head_dim):
-                        key_bits[t, d] = np.uint32(k[block, t, h, d])
-                    for d in range(head_dim):
-                        value_bits[t, d] = np.uint32(v[block, t, h, d])
-            for g in range(group):
-                new_best = best[g]
-                for t in range(num):
-                    score = np.float32(0.0)
-                    for d in range(head_dim):
-                        score += qh[g, d] * keys[t, d]
-                    weights[g, t] = score
-                    new_best = max(new_best, score)
-                if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
-                    weights[g, :num] = 0.0
-                    continue
-                rescale = np.float32(math.exp(best[g] - new_best))  # what was summed so far, at the new max
-                best[g] = new_best
-                for d in range(head_dim):
-                    acc[g, d] *= rescale
-                # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
-                # 2**frac from the polynomial
-                for t in range(num):
-                    y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
-                    whole = np.floor(y)
-                    frac = y - whole
-                    weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
-                    pow2_bits[t] = np.uint32(np.int32(whole) + 127) << 23
-                block_total = np.float32(0.0)
-                for t in range(num):
-                    weights[g, t] *= pow2[t]
-                    block_total += weights[g, t]
-                total[g] = total[g] * rescale + block_total
-            for t in range(num):  # keys outer: the group's accumulator rows are independent chains
-                for g in range(group):
-                    for d in range(head_dim):
-                        acc[g, d] += weights[g, t] * values[t, d]
-        for g in range(group):
-            for d in range(head_dim):
-                out[i, h * group + g, d] = acc[g, d] / total[g]
-
-
-# ---- The CPU path: greedy argmax over bf16 logits ----
-# A greedy step's sampler is one argmax per row over the vocabulary (256 rows x 49152 bf16 is 25 MB).
-# torch's argmax on bf16 takes ~20 ms there and the sampler's two-level amax ~3 ms; these loops compare
-# the bf16 bits as 16-bit integers in SIMD lanes, in two passes that never branch per element: ~1 ms
-# (measured alone; ~2 ms inside a step, where the logits come cold from memory).
-
-
-def argmax_rows(logits):
-    """The first index of each row's maximum, as torch.argmax gives it (a NaN counts as the maximum,
-    -0.0 equals +0.0), for a CPU bf16 (rows, vocab) tensor -> (rows,) int64; None where the loops do
-    not run (another device or dtype, numba not installed or USE_CPU_LOOPS off): the caller uses torch."""
-    if not USE_CPU_LOOPS or logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or logits.dim() != 2:
-        return None
-    loops = _compile_argmax()
-    if loops is None:
-        return None
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    loops(logits.contiguous().view(torch.int16).numpy(), out.numpy())
-    return out
-
-
-@functools.cache
-def _compile_argmax():
-    probe = (np.zeros((1, 3), np.int16), np.zeros(1, np.int64))
-    return _compile(_argmax_loops, probe, "the compiled argmax is off", "the sampler uses torch ops")
-
-
-def _argmax_loops(x, out):
-    """x (rows, vocab) int16: bf16 bits (sign, then magnitude); out (rows,) int64.
-    Pass 1: the largest and smallest bits, and whether a NaN (magnitude above inf's 0x7F80) is there.
-    The best float is then the largest bits if any is >= 0 (a positive float; ordered like its bits),
-    else the smallest (among negative floats, the smallest magnitude). Pass 2: the first index holding
-    it, as a min over indices (no early exit: it runs in SIMD lanes)."""
-    rows, vocab = x.shape
-    for i in prange(rows):
-        hi, lo, nan = np.int16(-32768), np.int16(32767), False
-        for j in range(vocab):
-            hi = max(hi, x[i, j])
-            lo = min(lo, x[i, j])
-            nan |= (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80)
-        first, none = np.int32(vocab), np.int32(vocab)
-        if nan:  # argmax's best is the first NaN
-            for j in range(vocab):
-                first = min(first, np.int32(j) if (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80) else none)
-        else:
-            best = hi if hi >= 0 else lo
-            same = np.int16(-32768) if best == 0 else best  # +0.0's bits are 0, -0.0's are 0x8000: equal floats
-            for j in range(vocab):
-                first = min(first, np.int32(j) if (x[i, j] == best) | (x[i, j] == same) else none)
-        out[i] = first
-
-
-# ---- The CPU path: RMSNorm and the rotary embedding over bf16, as compiled loops ----
-# Each torch op over a bf16 (tokens, hidden) tensor widens it to fp32, computes, rounds back and
-# writes a whole new tensor: HF's RMSNorm is 8 such ops, the rotary embedding 6. Over a 2048-token
-# prefill's (2048, 576) of the default model, measured alone, RMSNorm took 1.2 ms in torch and 0.3 ms
-# as one loop.
-# The loops round to bf16 where torch does (round to nearest even, NaN kept), so the rotary
-# embedding's results are torch's bit for bit (but for the sign and payload bits of a NaN), and
-# RMSNorm's differ only where the sum of squares, added in another order, moves x across a rounding
-# step (rarely; two ulps at most, after weight * x). Both return None where they do not run (not a
-# CPU bf16 tensor, numba not installed or USE_CPU_LOOPS off): the model then uses torch ops.
-
-
-def rms_norm_cpu(x, weight, eps):
-    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16."""
-    if not _bf16_loops_apply(x, weight) or weight.shape != x.shape[-1:]:
-        return None
-    loops = _compile_elementwise(_rms_norm_loops)
-    if loops is None:
-        return None
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty_like(x2)
-    loops(x2.view(torch.int16).numpy(), weight.view(torch.int16).numpy(), eps, out.view(torch.int16).numpy())
-    return out.view(x.shape)
-
-
-def rotary_cpu(x, cos, sin):
-    """x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do.
-    x (tokens, heads, head_dim) bf16; cos, sin (tokens, 1, head_dim) bf16."""
-    # the loops check no bounds: shapes they do not expect go to torch, which broadcasts or raises
-    if x.dim() != 3 or not _bf16_loops_apply(x, cos, sin):
-        return None
-    tokens, _, head_dim = x.shape
-    if head_dim % 2 or not cos.shape == sin.shape == (tokens, 1, head_dim):
-        return None
-    loops = _compile_elementwise(_rotary_loops)
-    if loops is None:
-        return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    bits = [t.contiguous().view(torch.int16).numpy() for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))]
-    loops(*bits, out.view(torch.int16).numpy())
-    return out
-
-
-def _bf16_loops_apply(*tensors):
-    return USE_CPU_LOOPS and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
-
-
-@functools.cache
-def _compile_elementwise(loops):
-    row, head = np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16)  # one token: a row of 2, a head of 2
-    probe = {_rms_norm_loops: (row, row[0], 1e-6, row.copy()), _rotary_loops: (head, row, row, head.copy())}[loops]
-    return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
-
-
-def _widen(bits, out):
-    """bf16 bits (int16) -> fp32 values, into out's uint32 view (bf16 is the top half of an fp32)."""
-    for d in range(len(bits)):
-        out[d] = np.uint32(np.uint16(bits[d])) << 16
-
-
-def _round(values):
-    """Round fp32 values (a uint32 view of them) to bf16 in place, to nearest even, NaN kept a (quiet) NaN."""
-    for d in range(len(values)):
-        b = values[d]
-        rounded = ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16) << 16
-        values[d] = np.uint32(0x7FC00000) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
-
-
-def _narrow(values, out):
-    """Rounded fp32 values (uint32 view) -> their bf16 bits (int16)."""
-    for d in range(len(values)):
-        out[d] = np.int16(np.uint16(values[d] >> 16))
-
-
-def _rms_norm_loops(x, weight, eps, out):
-    rows, dim = x.shape
-    w_bits = np.empty(dim, np.uint32)
-    _widen(weight, w_bits)
-    w = w_bits.view(np.float32)
-    for i in prange(rows):
-        bits = np.empty(dim, np.uint32)
-        v = bits.view(np.float32)
-        _widen(x[i], bits)
-        squares = np.float32(0.0)
-        for d in range(dim):
-            squares += v[d] * v[d]
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
-        for d in range(dim):
-            v[d] *= scale
-        _round(bits)  # x.to(bf16)
-        for d in range(dim):
-            v[d] *= w[d]
-        _round(bits)  # weight * x, in bf16
-        _narrow(bits, out[i])
-
-
-def _rotary_loops(x, cos, sin, out):
-    tokens, heads, head_dim = x.shape
-    half = head_dim // 2
-    for i in prange(tokens):
-        c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        _widen(cos[i], c_bits)
-        _widen(sin[i], s_bits)
-        c, s = c_bits.view(np.float32), s_bits.view(np.float32)
-        x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        xv, rv = x_bits.view(np.float32), r_bits.view(np.float32)
-        for h in range(heads):
-            _widen(x[i, h], x_bits)
-            for d in range(half):  # rotate_half(x) = cat(-x2, x1)
-                rv[d] = -xv[d + half]
-                rv[d + half] = xv[d]
-            for d in range(head_dim):
-                xv[d] *= c[d]
-                rv[d] *= s[d]
-            _round(x_bits)  # x * cos, in bf16
-            _round(r_bits)  # rotate_half(x) * sin, in bf16
-            for d in range(head_dim):
-                xv[d] += rv[d]
-            _round(x_bits)  # their sum, in bf16
-            _narrow(x_bits, out[i, h])
 
 
 # ---- Triton: store_kv ----
@@ -918,3 +484,446 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if q.device.type != "cpu":  # a GPU without triton installed: the reference runs on any device
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
     return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, plan=plan)
+
+
+def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
+    """The per-step part of paged_attention_cpu, shared by every layer (dtype: the caches'): None where
+    it does not run (Triton, or a GPU without triton installed: the reference)."""
+    if _use_triton(block_tables) or block_tables.device.type != "cpu":
+        return None
+    return _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype)
+
+
+# ==== The CPU fast paths (a learner may skip from here) ====
+# Everything above runs the engine on any device: the references are the rule, the Triton kernels
+# the GPU path. What follows only makes the engine quicker on a CPU: paged_attention_cpu (attention
+# planned once per step, decode rows as compiled loops (numba) or batched torch ops), then the
+# sampler's greedy argmax and the model's RMSNorm and rotary embedding over bf16 as compiled loops.
+# The tests hold each to the references (or to torch's ops); argmax_rows, rms_norm_cpu and
+# rotary_cpu return None where they do not run, and the caller uses torch ops.
+
+
+# ---- The CPU path: a plan per step; decode rows by compiled loops or batched torch ops ----
+# The engine's CPU attention. Per sequence (the reference) costs a dozen small torch ops per
+# sequence per layer: at batch 48 and 30 layers, most of the time goes to op overhead. Here the
+# work that is the same in every layer (which rows, which blocks, which keys are padding) is
+# planned once per step. Decode rows (one query each) then take one of two routes:
+#   - compiled loops (numba installed, caches in bf16 or fp32): _decode_attention_loops below, the
+#     attention as llama2.c writes it, reads each key and value in place in the paged cache, once.
+#     A decode step must read all of its K/V (~195 MB at batch 48 on the default model), and torch
+#     ops cannot read it in place: they gather it first, so they move it about four times over;
+#   - batched torch ops (no numba, fp16 caches, or NANOBATCH_CPU_LOOPS=0): decode rows sorted by length, cut into groups
+#     of at most DECODE_GROUP_KEYS padded keys, so that little of a group is padding and its copies
+#     stay a few MB; per group two gathers and two batched matmuls:
+#       - K and V are gathered head-major, (kv_heads * seqs, keys, head_dim), from the cache viewed as
+#         (slots * kv_heads, head_dim) rows, so the matmuls take them without another copy (GQA: the
+#         query heads of a kv head are the rows of one matrix);
+#       - padded keys point at the sequence's last key (finite, never an unowned slot), bias -inf;
+#       - q.k and the softmax run in fp32 (K is upcast after the gather); the probabilities are
+#         rounded to the cache dtype before P @ V, as in the Triton kernel.
+# Prefill sequences go one at a time, as in the reference (their queries fill the matmuls anyway).
+DECODE_GROUP_KEYS = 4096  # small enough that a group's copies stay small, large enough that its matmuls stay few
+LOOP_DTYPES = {torch.bfloat16: (torch.uint16, 16), torch.float32: (torch.uint32, 0)}  # cache dtype -> (its bits, shift to fp32)
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # (n,) int64: the group's q rows (one per sequence)
+    kv_rows: torch.Tensor  # (kv_heads * n * num_keys,) int64: rows of cache.view(-1, head_dim), head-major
+    bias: torch.Tensor  # (n, 1, num_keys) fp32: 0 for a real key, -inf for padding
+    num_keys: int  # the group's longest sequence
+
+
+@dataclass
+class DecodeRows:
+    """The compiled loops' inputs: numpy views, made once per step."""
+
+    rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
+    block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
+    seq_lens: object  # (n,) int32 numpy array: their lengths
+
+
+@dataclass
+class CpuAttentionPlan:
+    decode: list  # [DecodeGroup] for the torch ops, or [DecodeRows] for the compiled loops
+    prefill: list  # [sequence index] with more than one query row
+
+
+def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
+    plan = CpuAttentionPlan(decode=[], prefill=[i for i, n in enumerate(q_lens) if n > 1])
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode and _decode_loops(dtype) is not None:
+        idx = torch.tensor(decode)
+        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy()))
+        return plan
+    group = []
+    for i in sorted(decode, key=lens.__getitem__):
+        if group and (len(group) + 1) * lens[i] > DECODE_GROUP_KEYS:  # lens[i]: the longest so far
+            plan.decode.append(_decode_group(group, lens, starts, block_tables, seq_lens, block_size, num_kv_heads))
+            group = []
+        group.append(i)
+    if group:
+        plan.decode.append(_decode_group(group, lens, starts, block_tables, seq_lens, block_size, num_kv_heads))
+    return plan
+
+
+def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv_heads):
+    idx, n, num_keys = torch.tensor(seqs), len(seqs), lens[seqs[-1]]
+    pos = torch.arange(num_keys).expand(n, num_keys)  # (n, L) key positions
+    last = seq_lens[idx, None].long() - 1  # (n, 1)
+    key = torch.minimum(pos, last)  # padding reads the sequence's last key, then is masked out
+    slots = block_tables[idx].long().gather(1, key // block_size) * block_size + key % block_size  # (n, L)
+    kv_rows = slots.flatten()[None, :] * num_kv_heads + torch.arange(num_kv_heads)[:, None]  # (Hkv, n * L)
+    bias = torch.zeros(n, 1, num_keys).masked_fill_((pos > last)[:, None, :], float("-inf"))
+    return DecodeGroup(torch.tensor([starts[i] for i in seqs]), kv_rows.flatten(), bias, num_keys)
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
+    """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
+    groups; the plan is made here if not given), prefill sequences as in the reference. Writes `out` if given."""
+    _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    loops = _decode_loops(q.dtype)
+    if plan is None or (loops is None and any(isinstance(g, DecodeRows) for g in plan.decode)):
+        plan = _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)  # (again: the loops cannot run it)
+    out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
+    # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
+    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
+    for g in plan.decode:
+        if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
+            bits, shift = LOOP_DTYPES[k_cache.dtype]
+            every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
+            o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
+            loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
+                  shift, g.block_tables, g.seq_lens, scale, o.numpy())
+            if every_row:
+                out.copy_(o)
+            else:
+                out.index_copy_(0, g.rows, o.to(q.dtype))
+            continue
+        n, L = len(g.rows), g.num_keys
+        k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
+        v = v_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim)
+        qg = q[g.rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads * n, group, head_dim)
+        scores = torch.bmm(qg.float(), k.transpose(1, 2)).view(num_kv_heads, n, group, L)  # (Hkv, n, G, L) fp32
+        probs = (scores * scale + g.bias).softmax(-1).to(q.dtype).view(num_kv_heads * n, group, L)
+        o = torch.bmm(probs, v).view(num_kv_heads, n, group, head_dim)  # (Hkv, n, G, D)
+        out[g.rows] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
+    if plan.prefill:
+        lens, starts, ends = seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()
+        for i in plan.prefill:
+            _attend_sequence(q, k_cache, v_cache, block_tables[i], lens[i], starts[i], ends[i] - starts[i], scale, out)
+    return out
+
+
+def _decode_loops(dtype):
+    """The compiled decode loops for caches of this dtype, or None: numba not installed, switched
+    off (USE_CPU_LOOPS), failed to compile (a warning says why), or a dtype they do not read
+    (fp16: numba has no fp16 arithmetic on a CPU)."""
+    if not USE_CPU_LOOPS or dtype not in LOOP_DTYPES:
+        return None
+    return _compile_loops(dtype)
+
+
+@functools.cache
+def _compile_loops(dtype):
+    """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
+    bits, shift = LOOP_DTYPES[dtype]
+    q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
+    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+    return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
+
+
+def _compile(loops, probe, what, fallback):
+    """numba's compiled loops, tried once on the probe arguments; None (with a warning naming `what` went
+    off and the `fallback`) if numba is not installed or cannot compile them."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    global prange
+    prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
+    for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
+        if not hasattr(globals()[helper], "py_func"):
+            globals()[helper] = numba.njit(inline="always")(globals()[helper])
+    try:
+        # cache=True: compiled once per machine (seconds), then loaded from __pycache__; reassoc lets the
+        # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
+        # NaN (a row whose every score is -inf, as in the reference), not an exception
+        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(loops)
+        compiled(*probe)
+    except Exception as e:  # e.g. no writable cache folder, or a numba that cannot compile this
+        warnings.warn(f"kernels: {what} ({type(e).__name__}: {e}); {fallback}")
+        return None
+
+    def run(*args):
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # per calling thread: as torch
+        compiled(*args)
+
+    return run
+
+
+prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
+# Plain functions until _compile makes them numba functions. They must stay in this file: numba's
+# cache (cache=True) notices a change to this file, not to another one.
+_LOOP_HELPERS = ("_widen", "_round", "_narrow")
+
+
+# 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
+# about fp32's rounding), lowest power first. The loops' exp is built on it: a libm call per score does not
+# run in SIMD lanes.
+EXP2_POLY = (0.9999998957631347, 0.693154620003295, 0.24014077009186627, 0.05586328265919315, 0.008946214666375036, 0.0018951072910012572)
+LOG2_E = 1.4426950408889634
+
+
+def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
+    """Decode attention as plain loops (numba compiles them): each sequence's one query row
+    against its keys and values, read in place from the paged cache, once, with an online
+    softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
+    the sums rescaled when a block raises it).
+    q (n, H, D) fp32; k, v (num_blocks, block_size, Hkv, D): the caches' bits, uint16 for bf16
+    (widened to fp32 by a 16-bit shift: bf16 is the top half of an fp32) or uint32 for fp32
+    (shift 0); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32.
+    Every inner loop runs over contiguous fp32 rows with no call in it, so LLVM gives it SIMD lanes."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
+    for job in prange(n * num_kv_heads):  # one (sequence, kv head) per job: its query heads share every key
+        i, h = job // num_kv_heads, job % num_kv_heads
+        qh = np.empty((group, head_dim), np.float32)  # the group's query heads, scaled
+        for g in range(group):
+            for d in range(head_dim):
+                qh[g, d] = q[i, h * group + g, d] * np.float32(scale)
+        key_bits, value_bits = np.empty((block_size, head_dim), np.uint32), np.empty((block_size, head_dim), np.uint32)
+        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)  # one block of head h, widened
+        weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
+        pow2_bits = np.empty(block_size, np.uint32)
+        pow2 = pow2_bits.view(np.float32)  # 2**whole of each weight, made from its exponent bits
+        best = np.full(group, -np.inf, np.float32)  # the running max score of each query head
+        total = np.zeros(group, np.float32)  # sum of exp(score - best)
+        acc = np.zeros((group, head_dim), np.float32)  # sum of exp(score - best) * value
+        for b in range((seq_lens[i] + block_size - 1) // block_size):
+            block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
+            for t in range(num):
+                if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
+                    for d in range(head_dim):
+                        key_bits[t, d] = np.uint32(k[block, t, h, d]) << 16
+                    for d in range(head_dim):
+                        value_bits[t, d] = np.uint32(v[block, t, h, d]) << 16
+                else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
+                    for d in range(head_dim):
+                        key_bits[t, d] = np.uint32(k[block, t, h, d])
+                    for d in range(head_dim):
+                        value_bits[t, d] = np.uint32(v[block, t, h, d])
+            for g in range(group):
+                new_best = best[g]
+                for t in range(num):
+                    score = np.float32(0.0)
+                    for d in range(head_dim):
+                        score += qh[g, d] * keys[t, d]
+                    weights[g, t] = score
+                    new_best = max(new_best, score)
+                if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
+                    weights[g, :num] = 0.0
+                    continue
+                rescale = np.float32(math.exp(best[g] - new_best))  # what was summed so far, at the new max
+                best[g] = new_best
+                for d in range(head_dim):
+                    acc[g, d] *= rescale
+                # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
+                # 2**frac from the polynomial
+                for t in range(num):
+                    y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
+                    whole = np.floor(y)
+                    frac = y - whole
+                    weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
+                    pow2_bits[t] = np.uint32(np.int32(whole) + 127) << 23
+                block_total = np.float32(0.0)
+                for t in range(num):
+                    weights[g, t] *= pow2[t]
+                    block_total += weights[g, t]
+                total[g] = total[g] * rescale + block_total
+            for t in range(num):  # keys outer: the group's accumulator rows are independent chains
+                for g in range(group):
+                    for d in range(head_dim):
+                        acc[g, d] += weights[g, t] * values[t, d]
+        for g in range(group):
+            for d in range(head_dim):
+                out[i, h * group + g, d] = acc[g, d] / total[g]
+
+
+# ---- The CPU path: greedy argmax over bf16 logits ----
+# A greedy step's sampler is one argmax per row over the vocabulary (256 rows x 49152 bf16 is 25 MB).
+# torch's argmax on bf16 is slow there; these loops compare the bf16 bits as 16-bit integers in SIMD
+# lanes, in two passes that never branch per element.
+
+
+def argmax_rows(logits):
+    """The first index of each row's maximum, as torch.argmax gives it (a NaN counts as the maximum,
+    -0.0 equals +0.0), for a CPU bf16 (rows, vocab) tensor -> (rows,) int64; None where the loops do
+    not run (another device or dtype, numba not installed or USE_CPU_LOOPS off): the caller uses torch."""
+    if not USE_CPU_LOOPS or logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or logits.dim() != 2:
+        return None
+    loops = _compile_argmax()
+    if loops is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    loops(logits.contiguous().view(torch.int16).numpy(), out.numpy())
+    return out
+
+
+@functools.cache
+def _compile_argmax():
+    probe = (np.zeros((1, 3), np.int16), np.zeros(1, np.int64))
+    return _compile(_argmax_loops, probe, "the compiled argmax is off", "the sampler uses torch ops")
+
+
+def _argmax_loops(x, out):
+    """x (rows, vocab) int16: bf16 bits (sign, then magnitude); out (rows,) int64.
+    Pass 1: the largest and smallest bits, and whether a NaN (magnitude above inf's 0x7F80) is there.
+    The best float is then the largest bits if any is >= 0 (a positive float; ordered like its bits),
+    else the smallest (among negative floats, the smallest magnitude). Pass 2: the first index holding
+    it, as a min over indices (no early exit: it runs in SIMD lanes)."""
+    rows, vocab = x.shape
+    for i in prange(rows):
+        hi, lo, nan = np.int16(-32768), np.int16(32767), False
+        for j in range(vocab):
+            hi = max(hi, x[i, j])
+            lo = min(lo, x[i, j])
+            nan |= (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80)
+        first, none = np.int32(vocab), np.int32(vocab)
+        if nan:  # argmax's best is the first NaN
+            for j in range(vocab):
+                first = min(first, np.int32(j) if (x[i, j] & np.int16(0x7FFF)) > np.int16(0x7F80) else none)
+        else:
+            best = hi if hi >= 0 else lo
+            same = np.int16(-32768) if best == 0 else best  # +0.0's bits are 0, -0.0's are 0x8000: equal floats
+            for j in range(vocab):
+                first = min(first, np.int32(j) if (x[i, j] == best) | (x[i, j] == same) else none)
+        out[i] = first
+
+
+# ---- The CPU path: RMSNorm and the rotary embedding over bf16, as compiled loops ----
+# Each torch op over a bf16 (tokens, hidden) tensor widens it to fp32, computes, rounds back and
+# writes a whole new tensor: HF's RMSNorm is 8 such ops, the rotary embedding 6; a loop reads x once
+# and writes the result once.
+# The loops round to bf16 where torch does (round to nearest even, NaN kept), so the rotary
+# embedding's results are torch's bit for bit (but for the sign and payload bits of a NaN), and
+# RMSNorm's differ only where the sum of squares, added in another order, moves x across a rounding
+# step (rarely; two ulps at most, after weight * x). Both return None where they do not run (not a
+# CPU bf16 tensor, numba not installed or USE_CPU_LOOPS off): the model then uses torch ops.
+
+
+def rms_norm_cpu(x, weight, eps):
+    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16."""
+    if not _bf16_loops_apply(x, weight) or weight.shape != x.shape[-1:]:
+        return None
+    loops = _compile_elementwise(_rms_norm_loops)
+    if loops is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    loops(x2.view(torch.int16).numpy(), weight.view(torch.int16).numpy(), eps, out.view(torch.int16).numpy())
+    return out.view(x.shape)
+
+
+def rotary_cpu(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do.
+    x (tokens, heads, head_dim) bf16; cos, sin (tokens, 1, head_dim) bf16."""
+    # the loops check no bounds: shapes they do not expect go to torch, which broadcasts or raises
+    if x.dim() != 3 or not _bf16_loops_apply(x, cos, sin):
+        return None
+    tokens, _, head_dim = x.shape
+    if head_dim % 2 or not cos.shape == sin.shape == (tokens, 1, head_dim):
+        return None
+    loops = _compile_elementwise(_rotary_loops)
+    if loops is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    bits = [t.contiguous().view(torch.int16).numpy() for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))]
+    loops(*bits, out.view(torch.int16).numpy())
+    return out
+
+
+def _bf16_loops_apply(*tensors):
+    return USE_CPU_LOOPS and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+
+
+@functools.cache
+def _compile_elementwise(loops):
+    row, head = np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16)  # one token: a row of 2, a head of 2
+    probe = {_rms_norm_loops: (row, row[0], 1e-6, row.copy()), _rotary_loops: (head, row, row, head.copy())}[loops]
+    return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
+
+
+def _widen(bits, out):
+    """bf16 bits (int16) -> fp32 values, into out's uint32 view (bf16 is the top half of an fp32)."""
+    for d in range(len(bits)):
+        out[d] = np.uint32(np.uint16(bits[d])) << 16
+
+
+def _round(values):
+    """Round fp32 values (a uint32 view of them) to bf16 in place, to nearest even, NaN kept a (quiet) NaN."""
+    for d in range(len(values)):
+        b = values[d]
+        rounded = ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16) << 16
+        values[d] = np.uint32(0x7FC00000) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
+
+
+def _narrow(values, out):
+    """Rounded fp32 values (uint32 view) -> their bf16 bits (int16)."""
+    for d in range(len(values)):
+        out[d] = np.int16(np.uint16(values[d] >> 16))
+
+
+def _rms_norm_loops(x, weight, eps, out):
+    rows, dim = x.shape
+    w_bits = np.empty(dim, np.uint32)
+    _widen(weight, w_bits)
+    w = w_bits.view(np.float32)
+    for i in prange(rows):
+        bits = np.empty(dim, np.uint32)
+        v = bits.view(np.float32)
+        _widen(x[i], bits)
+        squares = np.float32(0.0)
+        for d in range(dim):
+            squares += v[d] * v[d]
+        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
+        for d in range(dim):
+            v[d] *= scale
+        _round(bits)  # x.to(bf16)
+        for d in range(dim):
+            v[d] *= w[d]
+        _round(bits)  # weight * x, in bf16
+        _narrow(bits, out[i])
+
+
+def _rotary_loops(x, cos, sin, out):
+    tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    for i in prange(tokens):
+        c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
+        _widen(cos[i], c_bits)
+        _widen(sin[i], s_bits)
+        c, s = c_bits.view(np.float32), s_bits.view(np.float32)
+        x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
+        xv, rv = x_bits.view(np.float32), r_bits.view(np.float32)
+        for h in range(heads):
+            _widen(x[i, h], x_bits)
+            for d in range(half):  # rotate_half(x) = cat(-x2, x1)
+                rv[d] = -xv[d + half]
+                rv[d + half] = xv[d]
+            for d in range(head_dim):
+                xv[d] *= c[d]
+                rv[d] *= s[d]
+            _round(x_bits)  # x * cos, in bf16
+            _round(r_bits)  # rotate_half(x) * sin, in bf16
+            for d in range(head_dim):
+                xv[d] += rv[d]
+            _round(x_bits)  # their sum, in bf16
+            _narrow(x_bits, out[i, h])
