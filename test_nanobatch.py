@@ -43,7 +43,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import kernels
 import nanobatch
 import transformers
-from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, start_server
+from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
+from server import VERSION, start_server  # names, not the module: `server` is the fixture below
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -2150,7 +2151,7 @@ def test_tokenize_detokenize_version(server):
     assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
     assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
     status, version = request(server, "GET", "/version")
-    assert status == 200 and version["version"] == nanobatch.VERSION
+    assert status == 200 and version["version"] == VERSION
 
 
 def metric_values(server):
@@ -2410,7 +2411,8 @@ def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
 
 import re
 
-from nanobatch import StructuredOutputsParams, structured_outputs_from_request
+from nanobatch import StructuredOutputsParams
+from server import structured_outputs_from_request
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}  # bounded strings (and items, numbers): every output fits in max_tokens
 SCHEMAS = [  # (what the prompt asks for, JSON schema)
