@@ -2147,10 +2147,14 @@ def run_cli(args):
           f"output tokens/s: {num_out / seconds:.1f}, prefix cache hit rate: {num_cached / num_prompt:.1%}")
 
 
-if __name__ == "__main__":
-    args = build_arg_parser().parse_args()
+def main(argv=None):
+    args = build_arg_parser().parse_args(argv)
     try:
         run_cli(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

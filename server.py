@@ -27,6 +27,7 @@ GET /v1/models (OpenAI); POST /tokenize, /detokenize, GET /version, /health, /me
 Sections: Config | Engine thread | Metrics | Request bodies | Response formats | Endpoints | HTTP
 
 Run:  python nanobatch.py --serve --port 8000        (default model: SmolLM2-135M-Instruct)
+      python server.py --model path/to/hf_folder --port 8000   (nanobatch's flags; --serve implied)
 API:  server, url = start_server(llm, "127.0.0.1", 0)   (a background thread; port 0: a free port)
       ... server.stop()
 """
@@ -59,6 +60,7 @@ from starlette.requests import ClientDisconnect, Request
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+import nanobatch
 from nanobatch import LLM, BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams, _cut, default_model_path
 
 
@@ -1169,3 +1171,7 @@ def serve(llm: LLM, config: ServerConfig | None = None):
           f"GET /v1/models, /health, /metrics, /version)", file=sys.stderr)
     server.serve_forever()
 
+
+if __name__ == "__main__":
+    sys.modules.setdefault("server", sys.modules[__name__])  # nanobatch's --serve imports `server`: this module, not a second copy
+    nanobatch.main(["--serve", *sys.argv[1:]])
