@@ -2407,6 +2407,18 @@ def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
     assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
 
 
+def test_cli_server_defaults_are_server_configs():
+    from server import ServerConfig
+
+    args, c = nanobatch.build_arg_parser().parse_args([]), ServerConfig()  # written out in the CLI, which imports server.py only for --serve
+    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (c.host, c.port, c.served_model_name, c.limit_concurrency, c.timeout_keep_alive)
+
+
+def test_engine_import_loads_no_web_stack():
+    code = "import sys, nanobatch; assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
 # ---- Tests: structured outputs ----
 
 import re
