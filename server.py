@@ -346,7 +346,6 @@ class ServerMetrics:
 # ---- Request bodies ----
 #
 # pydantic checks the JSON types (strictly: "10" is not a number), SamplingParams the values.
-# The model classes keep their names: pydantic's messages show them ("instance of Message").
 
 
 def structured_outputs_from_request(body):
@@ -815,9 +814,9 @@ def echo_pieces(llm, out):
 
 # ---- Endpoints ----
 #
-# One module-level handler per endpoint. Each finds the Server it serves at request.app.state.server
-# (build_app puts it there) rather than closing over it, so one process can run several servers
-# (the tests do) with the same handlers.
+# One module-level handler per endpoint, which finds the Server it serves at request.app.state.server
+# (build_app puts it there) instead of closing over it inside build_app: each endpoint reads on its
+# own, and the servers of one process (the tests start several) share the handlers.
 
 
 class Pending:
