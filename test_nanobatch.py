@@ -43,7 +43,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import kernels
 import nanobatch
 import transformers
-from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, start_server
+from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
+from server import VERSION, start_server  # names, not the module: `server` is the fixture below
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -2150,7 +2151,7 @@ def test_tokenize_detokenize_version(server):
     assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
     assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
     status, version = request(server, "GET", "/version")
-    assert status == 200 and version["version"] == nanobatch.VERSION
+    assert status == 200 and version["version"] == VERSION
 
 
 def metric_values(server):
@@ -2406,11 +2407,24 @@ def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
     assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
 
 
+def test_cli_server_defaults_are_server_configs():
+    from server import ServerConfig
+
+    args, c = nanobatch.build_arg_parser().parse_args([]), ServerConfig()  # written out in the CLI, which imports server.py only for --serve
+    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (c.host, c.port, c.served_model_name, c.limit_concurrency, c.timeout_keep_alive)
+
+
+def test_engine_import_loads_no_web_stack():
+    code = "import sys, nanobatch; assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
 # ---- Tests: structured outputs ----
 
 import re
 
-from nanobatch import StructuredOutputsParams, structured_outputs_from_request
+from nanobatch import StructuredOutputsParams
+from server import structured_outputs_from_request
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}  # bounded strings (and items, numbers): every output fits in max_tokens
 SCHEMAS = [  # (what the prompt asks for, JSON schema)

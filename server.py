@@ -1,0 +1,1176 @@
+"""
+server.py: nanobatch's HTTP server, vLLM's front end on the engine's step loop.
+
+A separate program around the engine, as kernels.py is a companion below it: nanobatch.py
+imports this file only for --serve, so nanobatch.py + kernels.py stay the whole engine,
+copyable alone and importable without a web stack. This file adds FastAPI on uvicorn (the
+stack vLLM uses), pydantic for the request bodies and prometheus_client for /metrics.
+
+    event loop (uvicorn + FastAPI handlers)                engine thread (the only one that touches the LLM)
+    validate the body (pydantic), SamplingParams  --inbox-->  drain inbox: add_request / abort_request / calls
+    await the request's outputs        <-call_soon_threadsafe--  llm.step() -> each RequestOutput to its request
+    answer JSON, or stream SSE (OpenAI) / NDJSON (/generate)
+
+Requests that arrive while others run join the running batch at the next step: the engine
+thread drains the inbox before every step, and sleeps on it when idle. uvicorn owns the HTTP:
+framing, keep-alive, timeouts and the concurrency limit (503 past it).
+
+Where validation happens: pydantic models check the JSON types (a 400 naming the field), the
+SamplingParams built in the handler check the values. Everything that needs the tokenizer (chat
+template, prompt length, token ids) runs in the engine thread inside add_request, whose
+ValueError comes back as a 400. HF fast tokenizers are not safe to share between threads, so
+the event loop never calls them.
+
+Endpoints: POST /generate (vLLM's demo server); POST /v1/completions, /v1/chat/completions and
+GET /v1/models (OpenAI); POST /tokenize, /detokenize, GET /version, /health, /metrics (vLLM's).
+
+Sections: Config | Engine thread | Metrics | Request bodies | Response formats | Endpoints | HTTP
+
+Run:  python nanobatch.py --serve --port 8000        (default model: SmolLM2-135M-Instruct)
+      python server.py --model path/to/hf_folder --port 8000   (nanobatch's flags; --serve implied)
+API:  server, url = start_server(llm, "127.0.0.1", 0)   (a background thread; port 0: a free port)
+      ... server.stop()
+"""
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import h11
+import uvicorn
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from uvicorn.config import LOGGING_CONFIG
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+import nanobatch
+from nanobatch import LLM, BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams, _cut, default_model_path
+
+
+# ---- Config ----
+
+VERSION = "0.1.0"  # GET /version
+MAX_BODY_BYTES = 1 << 20  # larger request bodies get a 400
+BODY_TIMEOUT_SECONDS = 30  # a request body must arrive within this, or the request gets a 408
+INTERNAL_ERROR = "internal server error (the server log has the details)"  # a 500 says no more than this
+QUIET_PATHS = {"/health", "/metrics"}  # polled every few seconds: left out of the access log
+log = logging.getLogger("nanobatch")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    served_model_name: str | None = None  # the `model` clients name; default: the model folder (or .gguf file) name
+    limit_concurrency: int | None = None  # connections + requests in flight past which requests get a 503 (uvicorn's)
+    timeout_keep_alive: int = 5  # seconds a connection gets to send each request head (from connecting, or its last response)
+
+
+class ServerError(Exception):
+    """A request the server refuses or fails: sent as {"error": {"message", "type", "code"}} with this status."""
+
+    def __init__(self, message, status=400, type="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.type = status, type
+
+    def body(self):
+        return {"error": {"message": str(self), "type": self.type, "code": self.status}}
+
+
+# ---- Engine thread ----
+
+
+@dataclass
+class Submission:
+    request_ids: list[str]  # one engine request per prompt
+    prompts: list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
+    params: SamplingParams  # what the response shows (n outputs per prompt, logprobs, ...)
+    chat: bool = False
+    beam: BeamSearchParams | None = None  # use_beam_search: what the engine runs instead of params
+    deliver: Callable | None = None  # called in the engine thread with (prompt index, RequestOutput) or a ServerError
+
+
+def threadsafe(loop, fn):
+    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop has closed)."""
+
+    def call(*args):
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody waits for this any more
+            pass
+
+    return call
+
+
+class EngineLoop:
+    """The engine thread: the only thread that calls the LLM.
+
+    Others talk to it through one inbox of messages: ("add", Submission), ("abort", request_ids,
+    by_client), ("call", fn, reply) and ("stop",). Each running request's outputs go to its
+    Submission's deliver, the last one finished. A RequestOutput is a snapshot (the engine builds
+    new lists and strings each step), so the event loop may read it while the engine runs on."""
+
+    def __init__(self, llm: LLM, metrics=None):
+        self.llm, self.metrics = llm, metrics
+        self.inbox = queue.Queue()
+        self.outboxes = {}  # request id -> (deliver, prompt index) of a running request (engine thread only)
+        self.num_client_aborts = 0  # HTTP requests aborted because their client hung up
+        self.thread = threading.Thread(target=self._run, name="nanobatch-engine", daemon=True)
+        self.thread.start()
+
+    # -- called from any thread --
+
+    def submit(self, sub: Submission):
+        """Queue a request (all its prompts) for the next step; its outputs go to sub.deliver."""
+        self._post(("add", sub))
+
+    def abort(self, request_ids, by_client=False):
+        self.inbox.put(("abort", request_ids, by_client))
+
+    def call(self, fn):
+        """Run fn(llm) in the engine thread between two steps and return its result (blocks the caller:
+        for tests and introspection; the event loop awaits run() instead)."""
+        reply = queue.Queue(maxsize=1)
+        self._post(("call", fn, lambda ok, value: reply.put((ok, value))))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    async def run(self, fn):
+        """call() for the event loop: awaits fn(llm) without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok, value):
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        self._post(("call", fn, threadsafe(loop, settle)))
+        return await future
+
+    def _post(self, message):
+        if not self.thread.is_alive():
+            raise ServerError("the engine is not running", 503, "service_unavailable")
+        self.inbox.put(message)
+
+    def stop(self, timeout=10):
+        """Fail the requests still running (503), free their blocks, end the thread."""
+        self.inbox.put(("stop",))
+        self.thread.join(timeout)
+
+    # -- the engine thread --
+
+    def _run(self):
+        while True:
+            idle = not self.llm.has_unfinished_requests()
+            for message in self._drain(block=idle):  # idle: sleep on the inbox, no busy loop
+                if message[0] == "stop":
+                    return self._close()
+                self._handle(message)
+            if self.llm.has_unfinished_requests():
+                self._step()
+
+    def _drain(self, block):
+        messages = [self.inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _handle(self, message):
+        kind = message[0]
+        if kind == "add":
+            self._add(message[1])
+        elif kind == "abort":
+            _, request_ids, by_client = message
+            running = [r for r in request_ids if self.outboxes.pop(r, None) is not None]  # nobody reads their final "abort" output
+            for request_id in running:
+                self.llm.abort_request(request_id)  # its final output comes out of the next step
+            self.num_client_aborts += bool(by_client and running)
+        elif kind == "call":
+            _, fn, reply = message
+            try:
+                result = (True, fn(self.llm))
+            except Exception as e:
+                result = (False, e)
+            reply(*result)
+
+    def _add(self, sub: Submission):
+        added = []
+        try:
+            for request_id, prompt in zip(sub.request_ids, sub.prompts):
+                self.llm.add_request(self.llm.chat_prompt(prompt) if sub.chat else prompt, sub.beam or sub.params, request_id)
+                added.append(request_id)
+        except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
+            where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
+            return self._refuse(sub, added, ServerError(where + str(e)))
+        except Exception:  # a bug, not the client's fault: fail this request, keep serving
+            log.exception("could not add request %s", sub.request_ids[0])
+            return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+        for index, request_id in enumerate(added):
+            self.outboxes[request_id] = (sub.deliver, index)
+
+    def _refuse(self, sub, added, error):
+        for request_id in added:  # a batch of prompts runs whole or not at all
+            self.llm.abort_request(request_id)
+        sub.deliver(error)
+
+    def _step(self):
+        try:
+            outputs = self.llm.step()
+        except Exception:  # fail the running requests, not the server
+            log.exception("engine step failed; failing the running requests")
+            return self._fail_all(ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+        self._deliver(outputs)
+
+    def _deliver(self, outputs):
+        for out in outputs:
+            if self.metrics is not None:
+                self.metrics.observe(out)  # first: a client that has its answer sees it counted
+            target = self.outboxes.pop(out.request_id, None) if out.finished else self.outboxes.get(out.request_id)
+            if target is not None:
+                deliver, index = target
+                deliver((index, out))
+
+    def _fail_all(self, error):
+        for request_id, (deliver, _) in self.outboxes.items():
+            deliver(error)
+            try:
+                self.llm.abort_request(request_id)
+            except Exception:
+                pass
+        self.outboxes.clear()
+        try:
+            self._deliver(self.llm.step())  # collects the aborts; their blocks are already free
+        except Exception:
+            pass
+
+    def _close(self):
+        closing = ServerError("the server is shutting down", 503, "service_unavailable")
+        for message in self._drain(block=False):  # whatever came in after "stop"
+            if message[0] == "add":
+                message[1].deliver(closing)
+            elif message[0] == "call":
+                message[2](False, closing)
+        self._fail_all(closing)
+
+
+# ---- Metrics ----
+
+
+class ServerMetrics:
+    """vLLM's Prometheus metrics, same names and meanings, so that a dashboard made for vLLM reads
+    them. Counted in the engine thread from each RequestOutput; the gauges are read from the
+    scheduler and the block allocator when /metrics is scraped. One registry per server."""
+
+    TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+    TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+    E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+    def __init__(self, model_name):
+        self.registry = CollectorRegistry()
+
+        def metric(kind, name, doc, **kwargs):
+            return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
+
+        self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
+        self.gpu_kv_usage = metric(Gauge, "vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc.")
+        self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
+        self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
+        self.tpot = metric(Histogram, "vllm:time_per_output_token_seconds", "Time per output token after the first.", buckets=self.TPOT_BUCKETS)
+        self.e2e = metric(Histogram, "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=self.E2E_BUCKETS)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
+
+    def observe(self, out: RequestOutput):
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if out.request_id not in self.num_counted and num_tokens:  # its first token: the prompt has been computed
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prefix_queries.inc(len(out.prompt_token_ids))
+            self.prefix_hits.inc(out.num_cached_tokens)
+            self.num_counted[out.request_id] = 0
+        if out.request_id in self.num_counted:
+            self.generation_tokens.inc(num_tokens - self.num_counted[out.request_id])
+            self.num_counted[out.request_id] = num_tokens
+        if out.finished:
+            self.num_counted.pop(out.request_id, None)
+            self._observe_finished(out)
+
+    def _observe_finished(self, out):
+        reasons = {c.finish_reason for c in out.outputs}
+        self.success["abort" if "abort" in reasons else "length" if "length" in reasons else "stop"].inc()
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            longest = max(len(c.token_ids) for c in out.outputs)
+            if longest > 1:  # samples run side by side: time per token of the longest
+                self.tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
+
+    def read_engine(self, llm: LLM):
+        """The gauges, read in the engine thread."""
+        self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
+        self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
+        usage = 1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks
+        self.kv_usage.set(usage)
+        self.gpu_kv_usage.set(usage)
+
+
+# ---- Request bodies ----
+#
+# pydantic checks the JSON types (strictly: "10" is not a number), SamplingParams the values.
+
+
+def structured_outputs_from_request(body):
+    """The constraint of an OpenAI-style request body, or None, from one of: response_format
+    ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}),
+    vLLM's `structured_outputs` object, or its legacy guided_json / guided_regex / guided_choice /
+    guided_grammar. A ValueError (a 400) names the field."""
+    given = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            schema = schema.get("schema") if isinstance(schema, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            given["response_format"] = {"json": schema}
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_cut(repr(kind))}")
+    if body.get("structured_outputs") is not None:
+        fields = body["structured_outputs"]
+        if not isinstance(fields, dict):
+            raise ValueError("structured_outputs must be an object with one of json, regex, choice, grammar, json_object")
+        unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported field(s) {unknown}; nanobatch takes json, regex, choice, grammar, json_object")
+        given["structured_outputs"] = {k: v for k, v in fields.items() if v is not None}
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(name) is not None:
+            given[name] = {name.removeprefix("guided_"): body[name]}
+    if len(given) > 1:
+        raise ValueError(f"give one structured output constraint, got {', '.join(given)}")
+    if not given:
+        return None
+    (name, fields), = given.items()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def one_of(description):
+    """One error for a union, saying what it takes (pydantic would report one per member)."""
+
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "must be " + description) from None
+
+    return WrapValidator(check)
+
+
+Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], one_of("a string, a list of token ids, or a list of either (a batch)")]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # unknown fields are ignored, as vLLM does
+
+
+class Sampling(Body):
+    """SamplingParams fields under their (vLLM) names; None: the SamplingParams default."""
+
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # JSON keys are strings: {"50256": -100}
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+
+    def sampling_params(self, **fields):
+        """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
+        given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS}
+        try:
+            constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
+            return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
+        except ValueError as e:
+            raise ServerError(str(e)) from None
+
+
+class Generate(Sampling):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    stream: bool | None = None
+    logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None  # beam search: a finished beam scores cum_logprob / length ** length_penalty
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class OpenAI(Sampling):
+    model: str | None = None  # None: the served model
+    stream: bool | None = None  # None (null or absent) is false here and below: some clients send every field
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
+    length_penalty: float | None = None
+    # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
+    # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+class Completion(OpenAI):
+    prompt: Prompt
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: Any = None
+    best_of: int | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: str
+    content: Annotated[str | list[TextPart], one_of('a string or a list of text parts ({"type": "text", "text": ...})')] | None = None
+
+    def for_template(self):
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text or ""}
+
+
+class Chat(OpenAI):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+class Tokenize(Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None  # tokenized as the chat template renders them
+    add_special_tokens: bool = True
+
+
+class Detokenize(Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Fields that would change the output but are not implemented: a 400 naming the field, never a
+# silent 200. A feature that implements one (structured outputs, beam search) deletes its entries
+# here and reads the field from the request model.
+UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refused)
+    "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
+    "best_of": (lambda v, body: v is not None and v > (body.n or 1), "nanobatch has no best-of ranking; ask for n samples"),
+    "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
+    **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
+    **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
+}
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def reject_unsupported(body):
+    for name, (asked, why) in UNSUPPORTED_FIELDS.items():
+        if asked(getattr(body, name, None), body):
+            raise ServerError(f"'{name}' is not supported: {why}")
+    return body
+
+
+def beam_search_params(body, params):
+    """vLLM's `use_beam_search` (/generate, and an extra field of /v1/completions): beam search with
+    n beams, the n best returned, best first; None when the request does not ask for it. The response
+    is shaped by params (n outputs per prompt) as for sampling."""
+    if not body.use_beam_search:
+        return None
+    if body.stream:
+        raise ServerError("use_beam_search does not stream (the beams are known only at the end); send stream: false")
+    taken = [name for name in BEAM_REFUSES if getattr(body, name, None) not in (None, [], {}, False)]
+    if taken:
+        raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+    except ValueError as e:
+        raise ServerError(str(e)) from None
+
+
+BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", *STRUCTURED_OUTPUT_FIELDS)
+
+
+def validation_message(error):
+    """A pydantic ValidationError as one line that names the field."""
+    problems = error.errors(include_url=False)
+    unknown = sorted(str(p["loc"][-1]) for p in problems if p["type"] == "extra_forbidden")
+    if unknown:
+        return f"unknown field(s) {unknown}"
+    p = problems[0]
+    where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in p["loc"]).lstrip(".")
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    if p["type"] == "json_invalid":
+        return f"request body is not valid JSON: {p['ctx']['error']}"
+    if not where:
+        return "request body must be a JSON object" if p["type"] == "model_type" else p["msg"]
+    if p["type"] == "missing":
+        return f"'{where}' is required{more}"
+    return f"'{where}': {p['msg']}{more}"
+
+
+async def read_json(request, model):
+    """The request body validated by a pydantic model; a 4xx naming the problem if it does not fit."""
+    declared = int(request.headers.get("content-length") or 0)  # h11 has checked that it is a number
+    if declared > MAX_BODY_BYTES:  # refused unread: uvicorn reads the rest away and keeps the connection in step
+        raise ServerError(f"request body too large: {declared} bytes, the limit is {MAX_BODY_BYTES}")
+    try:
+        body = await asyncio.wait_for(read_body(request), BODY_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        raise ServerError(f"the request body did not arrive within {BODY_TIMEOUT_SECONDS} s", 408) from None
+    if not body:
+        raise ServerError("request body is empty: send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
+        raise ServerError(validation_message(e)) from None
+
+
+async def read_body(request):
+    body = bytearray()
+    async for chunk in request.stream():  # chunked bodies too: uvicorn has decoded the framing
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ServerError(f"request body too large: over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+# ---- Response formats ----
+#
+# Built in the event loop from RequestOutputs, which are snapshots (see EngineLoop).
+
+
+def visible_text(completion, params):
+    """The text a stream may send: a running sample holds back what could be the start
+    of a stop string (the engine cuts a stop string off the text once it is complete,
+    and a stream cannot take back what it sent)."""
+    hold = max(map(len, params.stop), default=1) - 1
+    if completion.finish_reason is not None or hold == 0:
+        return completion.text
+    return completion.text[: max(0, len(completion.text) - hold)]
+
+
+def usage_counts(outs, prompt_only=False):
+    num_prompt = sum(len(o.prompt_token_ids) for o in outs)
+    num_output = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+
+
+def sampled_logprob(entry):
+    """(token id, Logprob) of the sampled (or prompt) token: the engine puts it first."""
+    return next(iter(entry.items()))
+
+
+def best_logprobs(entry, k):
+    """The k most likely (token id, Logprob) of one position."""
+    return sorted(entry.items(), key=lambda item: item[1].rank)[:k]
+
+
+def generate_logprobs(entries, k):
+    """/generate: per token {token_id, token, logprob, rank, top_logprobs: [the k best]}."""
+
+    def item(token_id, lp):
+        return {"token_id": token_id, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+
+    return [{**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries]
+
+
+def completion_logprobs(entries, offset, first_token=""):
+    """OpenAI legacy completions logprobs. An entry of None (the first prompt token under echo: it has
+    no logprob) gives nulls, and first_token is its text. offset: where the first token starts in the text."""
+    tokens = [first_token if e is None else sampled_logprob(e)[1].decoded_token for e in entries]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else sampled_logprob(e)[1].logprob for e in entries],
+        "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],  # as vLLM: the k best and the chosen one
+        "text_offset": offsets[:-1],
+    }
+
+
+def chat_logprobs(entries, k):
+    """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [the k best]}]}."""
+
+    def item(lp):
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode("utf-8"))}
+
+    return {"content": [{**item(sampled_logprob(e)[1]), "top_logprobs": [item(lp) for _, lp in best_logprobs(e, k)]} for e in entries]}
+
+
+def vllm_prompt_logprobs(entries):
+    """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    return [None if e is None else {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for tid, lp in e.items()} for e in entries or []]
+
+
+class StreamDeltas:
+    """What a stream has sent of each choice, so that each chunk carries only what is new."""
+
+    def __init__(self):
+        self.num_chars, self.num_entries, self.done = {}, {}, set()
+
+    def new(self, key, text, entries, finish_reason):
+        """(new text, new logprob entries, finish_reason if it just finished) of a choice, or None."""
+        delta, new_entries = text[self.num_chars.get(key, 0) :], entries[self.num_entries.get(key, 0) :]
+        finish_reason = finish_reason if key not in self.done else None
+        if not (delta or new_entries or finish_reason):
+            return None
+        self.num_chars[key], self.num_entries[key] = len(text), len(entries)
+        if finish_reason:
+            self.done.add(key)
+        return delta, new_entries, finish_reason
+
+
+class GenerateFormat:
+    """vLLM's demo server: {"text": [prompt + completion, one per sample]}; streamed as
+    newline-delimited JSON with the cumulative text (as the demo does) and the new logprobs."""
+
+    content_type = "application/x-ndjson"
+    echo = None
+
+    def __init__(self, params):
+        self.params = params
+        self.deltas = StreamDeltas()
+
+    def body(self, out, new_only):
+        body = {"text": [(out.prompt or "") + visible_text(c, self.params) for c in out.outputs]}
+        if self.params.logprobs is not None:
+            entries = [c.logprobs or [] for c in out.outputs]
+            if new_only:  # a stream sends each logprob once
+                entries = [(self.deltas.new(c.index, "", e, None) or ("", []))[1] for c, e in zip(out.outputs, entries)]
+            body["logprobs"] = [generate_logprobs(e, self.params.logprobs) for e in entries]
+        return body
+
+    def response(self, outs):
+        return self.body(outs[0], new_only=False)
+
+    def chunks(self, index, out):
+        return [json.dumps(self.body(out, new_only=True)).encode() + b"\n"]
+
+    def tail(self):
+        return []
+
+    def error(self, e):
+        return json.dumps(e.body()).encode() + b"\n"
+
+
+class OpenAIFormat:
+    """OpenAI completions (chat=False) or chat completions (chat=True), whole or as server-sent
+    events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n"). Choice i * n + j is sample j of prompt i.
+
+    Usage in a stream: with stream_options.include_usage, a last chunk with no choices
+    (as OpenAI); otherwise on the chunk that finishes the last sample."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, chat, request_id, model, params, num_prompts=1, include_usage=False, echo=False, prompt_only=False, prompt_logprobs=False):
+        self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
+        self.num_prompts, self.include_usage = num_prompts, include_usage
+        self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
+        self.created = int(time.time())
+        self.deltas = StreamDeltas()
+        self.text_offsets = {}  # completions logprobs: choice -> chars sent so far
+        self.finished = {}  # prompt index -> its final output (stream)
+        self.sent_roles = False
+
+    def envelope(self, choices, chunk):
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def parts(self, index, out, c, text):
+        """(text, logprob entries, finish_reason) of one choice; with echo the prompt's come first."""
+        entries, finish_reason = c.logprobs or [], c.finish_reason
+        if self.prompt_only:
+            text, entries, finish_reason = "", [], finish_reason and "length"
+        if self.echo is not None:
+            text, entries = self.echo[index][0] + text, (out.prompt_logprobs or []) + entries
+        return text, entries, finish_reason
+
+    def logprobs(self, entries, key, index):
+        if self.params.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.params.logprobs)
+        offset = self.text_offsets.get(key, 0)
+        result = completion_logprobs(entries, offset, self.echo[index][1] if self.echo is not None else "")
+        self.text_offsets[key] = offset + sum(len(t) for t in result["tokens"])
+        return result
+
+    def response(self, outs):
+        choices = []
+        for index, out in enumerate(outs):
+            for c in out.outputs:
+                key = index * self.params.n + c.index
+                text, entries, finish_reason = self.parts(index, out, c, c.text)
+                content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+                choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+                if self.prompt_logprobs:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
+        return {**self.envelope(choices, chunk=False), "usage": usage_counts(outs, self.prompt_only)}
+
+    def chunks(self, index, out):
+        events = []
+        if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
+            self.sent_roles = True
+            events += [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True) for i in range(self.params.n)]
+        for c in out.outputs:
+            key = index * self.params.n + c.index
+            new = self.deltas.new(key, *self.parts(index, out, c, visible_text(c, self.params)))
+            if new is None:
+                continue
+            delta, entries, finish_reason = new
+            content = {"delta": {"content": delta} if delta else {}} if self.chat else {"text": delta}
+            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}], True))
+        if out.finished:
+            self.finished[index] = out
+        if len(self.finished) == self.num_prompts:  # the last prompt just finished
+            usage = usage_counts(list(self.finished.values()), self.prompt_only)
+            if self.include_usage:
+                events.append({**self.envelope([], True), "usage": usage})
+            elif events:
+                events[-1]["usage"] = usage
+        return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
+
+    def tail(self):
+        return [b"data: [DONE]\n\n"]
+
+    def error(self, e):
+        return b"data: " + json.dumps(e.body()).encode() + b"\n\n"
+
+
+def echo_pieces(llm, out):
+    """(prompt text, text of its first token) for echo; in the engine thread (it holds the tokenizer)."""
+    text = out.prompt if out.prompt is not None else llm.tokenizer.decode(out.prompt_token_ids)
+    return text, llm.tokenizer.decode(out.prompt_token_ids[:1])
+
+
+# ---- Endpoints ----
+#
+# One module-level handler per endpoint, which finds the Server it serves at request.app.state.server
+# (build_app puts it there) instead of closing over it inside build_app: each endpoint reads on its
+# own, and the servers of one process (the tests start several) share the handlers.
+
+
+class Pending:
+    """A submitted request seen from the event loop: the engine thread puts its (prompt index,
+    RequestOutput)s, or a ServerError, on an asyncio queue."""
+
+    def __init__(self, engine: EngineLoop, sub: Submission):
+        self.engine, self.sub = engine, sub
+        self.queue = asyncio.Queue()
+        sub.deliver = threadsafe(asyncio.get_running_loop(), self.queue.put_nowait)
+        self.unfinished = set(range(len(sub.prompts)))
+        engine.submit(sub)
+
+    async def next(self):
+        item = await self.queue.get()
+        if isinstance(item, ServerError):
+            self.unfinished.clear()  # the engine has ended (or never started) every prompt of it
+            raise item
+        index, out = item
+        if out.finished:
+            self.unfinished.discard(index)
+        return index, out
+
+    async def finals(self):
+        """Every prompt's final output, in prompt order."""
+        outs = {}
+        while self.unfinished:
+            index, out = await self.next()
+            outs[index] = out
+        return [outs[i] for i in range(len(self.sub.prompts))]
+
+    def abort(self):
+        """The client hung up: free the blocks now."""
+        if self.unfinished:
+            self.engine.abort(self.sub.request_ids, by_client=True)
+            self.unfinished.clear()
+
+
+async def unless_hung_up(request, pending, work):
+    """The result of coroutine `work`, or None if the client hangs up first (the request is then aborted)."""
+    work, gone = asyncio.ensure_future(work), asyncio.ensure_future(hang_up(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            pending.abort()
+    return work.result() if not work.cancelled() else None
+
+
+async def hang_up(request):
+    # the body has been read: the next message uvicorn has for this request is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+routes = APIRouter()  # the endpoints below; build_app adds them to the app
+
+
+async def refused(request, e: ServerError):
+    return JSONResponse(e.body(), e.status)
+
+
+async def no_route(request, e: HTTPException):  # Starlette's 404 / 405
+    method, path = request.method, request.url.path
+    message = {404: f"no such endpoint: {method} {path}", 405: f"{path} takes {(e.headers or {}).get('Allow')}, not {method}"}
+    error = ServerError(message.get(e.status_code, str(e.detail)), e.status_code, "not_found_error" if e.status_code == 404 else "invalid_request_error")
+    return JSONResponse(error.body(), e.status_code, headers=e.headers)
+
+
+async def hung_up(request, e):  # the client left while sending its body: nobody reads the answer
+    return Response(status_code=499)
+
+
+async def bug(request, e):  # uvicorn logs the traceback; the client gets no internals
+    return JSONResponse(ServerError(INTERNAL_ERROR, 500, "internal_server_error").body(), 500)
+
+
+def check_model(server, body):
+    if body.model is not None and body.model != server.model_name:
+        raise ServerError(f"The model `{body.model}` does not exist.", 404, "not_found_error")  # vLLM's words
+    return body
+
+
+async def ask(engine, fn):
+    """fn(llm) in the engine thread; its ValueError is a 400."""
+    try:
+        return await engine.run(fn)
+    except ValueError as e:
+        raise ServerError(str(e)) from None
+
+
+async def respond(request: Request, sub, fmt, stream):
+    if not stream:  # only the final output crosses threads: no per-step snapshots
+        sub.params = dataclasses.replace(sub.params, output_kind="final_only")
+    pending = Pending(request.app.state.server.engine, sub)
+    if not stream:
+        outs = await unless_hung_up(request, pending, pending.finals())
+        if outs is None:
+            return Response(status_code=499)
+        for index, out in enumerate(outs):
+            await fill_echo(pending.engine, fmt, index, out)
+        return JSONResponse(fmt.response(outs))
+    first = await unless_hung_up(request, pending, pending.next())  # add_request's ValueError is still a 400 here
+    if first is None:
+        return Response(status_code=499)
+    return StreamingResponse(stream_body(pending, fmt, first), headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
+
+
+async def stream_body(pending, fmt, item):
+    try:
+        while True:
+            await fill_echo(pending.engine, fmt, *item)
+            for chunk in fmt.chunks(*item):
+                yield chunk
+            if not pending.unfinished:
+                break
+            item = await pending.next()
+        for chunk in fmt.tail():
+            yield chunk
+    except ServerError as e:  # the engine failed mid-stream: the status line is gone, report it in-band
+        yield fmt.error(e)
+    finally:
+        pending.abort()  # still running: Starlette cancelled the stream because the client hung up
+
+
+async def fill_echo(engine, fmt, index, out):
+    if fmt.echo is not None and index not in fmt.echo:
+        fmt.echo[index] = await engine.run(lambda llm: echo_pieces(llm, out))
+
+
+@routes.post("/generate")
+async def generate(request: Request):
+    body = reject_unsupported(await read_json(request, Generate))
+    params = body.sampling_params(logprobs=body.logprobs)
+    sub = Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params, beam=beam_search_params(body, params))
+    return await respond(request, sub, GenerateFormat(params), bool(body.stream))
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request):
+    server = request.app.state.server
+    body = reject_unsupported(check_model(server, await read_json(request, Completion)))
+    one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
+    prompts = [body.prompt] if one else body.prompt
+    prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
+    k = body.logprobs
+    prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
+    params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, body.prompt_logprobs is not None)
+    sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
+    return await respond(request, sub, fmt, bool(body.stream))
+
+
+@routes.post("/v1/chat/completions")
+async def chat(request: Request):
+    server = request.app.state.server
+    body = reject_unsupported(check_model(server, await read_json(request, Chat)))
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ServerError("'top_logprobs' needs 'logprobs': true")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
+    params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, include_usage, prompt_logprobs=body.prompt_logprobs is not None)
+    sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
+    return await respond(request, sub, fmt, bool(body.stream))
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request):
+    server = request.app.state.server
+    body = check_model(server, await read_json(request, Tokenize))
+    if (body.prompt is None) == (body.messages is None):
+        raise ServerError("send one of 'prompt' or 'messages'")
+
+    def encode(llm):
+        if body.messages is not None:  # the chat template holds its own special tokens
+            return llm.chat_prompt([m.for_template() for m in body.messages])["prompt_token_ids"]
+        return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    token_ids = await ask(server.engine, encode)
+    return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": None}
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request):
+    server = request.app.state.server
+    body = check_model(server, await read_json(request, Detokenize))
+
+    def decode(llm):
+        vocab_size = llm.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        return llm.tokenizer.decode(body.tokens)
+
+    return {"prompt": await ask(server.engine, decode)}
+
+
+@routes.get("/v1/models")
+async def list_models(request: Request):
+    server = request.app.state.server
+    model = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanobatch", "root": server.model_path, "max_model_len": server.max_model_len}
+    return {"object": "list", "data": [model]}
+
+
+@routes.get("/health")
+async def health(request: Request):
+    alive = request.app.state.server.engine.thread.is_alive()
+    return JSONResponse({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
+
+
+@routes.get("/version")
+async def version():
+    return {"version": VERSION}
+
+
+@routes.get("/metrics")
+async def metrics(request: Request):
+    server = request.app.state.server
+    await server.engine.run(server.metrics.read_engine)
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(server):
+    """The FastAPI app: the routes above, and every error as {"error": {...}} JSON."""
+    app = FastAPI(title="nanobatch", version=VERSION, openapi_url=None)  # bodies are parsed by hand (read_json): no schema to show
+    app.state.server = server
+    app.include_router(routes)
+    app.add_exception_handler(ServerError, refused)
+    app.add_exception_handler(HTTPException, no_route)
+    app.add_exception_handler(ClientDisconnect, hung_up)
+    app.add_exception_handler(Exception, bug)
+    return app
+
+
+# ---- HTTP ----
+
+
+class HTTPProtocol(H11Protocol):
+    """uvicorn's h11 protocol (strict framing: conflicting Content-Lengths, transfer codings other
+    than chunked and over-long heads get a 400) with a deadline on each request head.
+
+    A connection gets timeout_keep_alive seconds to send each request head, from connecting or
+    from its last response. (uvicorn alone times out only the silence after a response: a
+    connection that never sends a request, or sends a byte a second, would stay open.)"""
+
+    head_deadline = None
+    closed = False
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._watch_head()
+
+    def data_received(self, data):
+        super().data_received(data)
+        self._watch_head()
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._watch_head()
+
+    def connection_lost(self, exc):
+        self.closed = True
+        self._watch_head()
+        super().connection_lost(exc)
+
+    def _watch_head(self):
+        waiting = self.conn.their_state is h11.IDLE and not self.closed
+        if waiting and self.head_deadline is None:
+            self.head_deadline = self.loop.call_later(self.timeout_keep_alive, self.transport.close)
+        elif not waiting and self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+
+class QuietProbes(logging.Filter):
+    """The access log without the health checks and metric scrapes (they come every few seconds)."""
+
+    def filter(self, record):
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) > 2 and str(args[2]).split("?")[0] in QUIET_PATHS)  # uvicorn's args: client, method, path, ...
+
+
+class Server:
+    """uvicorn serving the app on one socket, and the engine thread behind it. stop() ends both."""
+
+    def __init__(self, llm: LLM, config: ServerConfig, log_config=None):
+        self.config = config
+        self.model_path = os.path.normpath(llm.config.model or default_model_path())
+        self.model_name = config.served_model_name or served_model_name(llm)
+        self.max_model_len, self.created = llm.max_model_len, int(time.time())
+        self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = EngineLoop(llm, self.metrics)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            build_app(self), http=HTTPProtocol, ws="none", lifespan="off", log_config=log_config, backlog=128,
+            limit_concurrency=config.limit_concurrency, timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
+        ))
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, QuietProbes) for f in access.filters):
+            access.addFilter(QuietProbes())
+        self.thread = None
+
+    @property
+    def url(self):
+        host, port = self.socket.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def serve_forever(self):
+        """Serve in this thread until Ctrl-C (in the main thread uvicorn catches it and shuts down gracefully)."""
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self.engine.stop()
+
+    def stop(self):
+        """Fail the requests still running (503), end the engine thread, stop uvicorn and close the socket."""
+        self.engine.stop()  # first: the handlers waiting on it answer and end
+        self.uvicorn.should_exit = True
+        if self.thread is not None:
+            self.thread.join(30)
+        self.socket.close()
+
+
+def served_model_name(llm):
+    path = os.path.normpath(llm.config.model or default_model_path())
+    return os.path.splitext(os.path.basename(path))[0] if path.endswith(".gguf") else os.path.basename(path)
+
+
+def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
+    """Serve in a background thread (port 0: a free port). Returns (server, url);
+    server.stop() ends it. For tests and notebooks."""
+    server = Server(llm, ServerConfig(host, port, **server_config))
+    server.thread = threading.Thread(target=server.uvicorn.run, kwargs={"sockets": [server.socket]}, name="nanobatch-http", daemon=True)
+    server.thread.start()
+    deadline = time.monotonic() + 30
+    while not server.uvicorn.started and server.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server, server.url
+
+
+def serve(llm: LLM, config: ServerConfig | None = None):
+    """Serve until Ctrl-C (the CLI's --serve), with uvicorn's log format and access log."""
+    server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG)
+    print(f"nanobatch: serving {server.model_name} at {server.url} (POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; "
+          f"GET /v1/models, /health, /metrics, /version)", file=sys.stderr)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("server", sys.modules[__name__])  # nanobatch's --serve imports `server`: this module, not a second copy
+    nanobatch.main(["--serve", *sys.argv[1:]])
