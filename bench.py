@@ -1322,7 +1322,7 @@ def resolve_args(args):
     elif args.model is None and device == "cuda":
         args.model = RANDOM_QWEN3
     if args.dtype == "auto":  # resolved here, once, and passed explicitly to every system
-        args.dtype = "bfloat16" if device == "cuda" or nanobatch.cpu_has_native_bf16() else "float32"
+        args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_has_native_bf16() else "float32"
     if args.roofline is None:
         args.roofline = device == "cuda"
     for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):

@@ -18,6 +18,9 @@ nanobatch.py calls.
     rms_norm_cpu / rotary_cpu / argmax_rows    the model's RMSNorm and rotary embedding and the sampler's
                                                greedy argmax over bf16 CPU tensors, as compiled loops (or
                                                None: the caller uses torch ops)
+    pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
+    sample_nucleus / cpu_has_native_bf16       for oneDNN, the sampler's argmax and its top-p without a sort,
+                                               and whether "auto" picks bf16 on this CPU
 
 Cache layout (one per layer, for K and for V):
     (num_blocks, block_size, num_kv_heads, head_dim)
@@ -55,7 +58,8 @@ Sections, in reading order: imports and switches / shape checks / plain-torch re
 rule itself) / Triton store_kv / Triton paged_attention / dispatch (what nanobatch.py calls,
 plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
 the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
-argmax, and the bf16 RMSNorm and rotary loops.
+argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype, weight packing,
+greedy tokens, top-p by rejection).
 Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
@@ -927,3 +931,99 @@ def _rotary_loops(x, cos, sin, out):
                 xv[d] += rv[d]
             _round(x_bits)  # their sum, in bf16
             _narrow(x_bits, out[i, h])
+
+
+# ---- The CPU path: which dtype, weight packing, greedy argmax and top-p without a sort ----
+
+
+def cpu_has_native_bf16():
+    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
+    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
+    flags = ("avx512_bf16", "amx_bf16")
+    if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
+        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
+    except OSError:
+        return False
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear whose weight is in oneDNN's blocked layout (pack_linears_cpu swaps this class in)."""
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def pack_linears_cpu(model):
+    """bf16 on a CPU: every nn.Linear's weight reordered once, at load, into oneDNN's blocked layout.
+    F.linear hands oneDNN torch's plain layout, and oneDNN reorders it at every call; packing once is
+    what torch.compile's freezing does on a CPU, with the same results bit for bit. One layer at a time,
+    so memory stays the same once loading ends (a tied lm_head gets its own packed copy of the
+    embedding). Tried on one layer first: a torch without these oneDNN ops, or one whose results
+    differ, keeps F.linear, with a warning. Any other device or dtype: nothing to do."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    first = linears[0] if linears else None
+    if first is None or first.weight.device.type != "cpu" or first.weight.dtype != torch.bfloat16:
+        return
+    try:
+        probe = torch.randn(3, first.in_features, dtype=first.weight.dtype, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.mkldnn._reorder_linear_weight(first.weight.detach())
+        if not torch.equal(torch.ops.mkldnn._linear_pointwise(probe, packed, first.bias, "none", [], ""), first(probe)):
+            raise ValueError("results differ from F.linear")
+    except Exception as e:
+        warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
+        return
+    for m in linears:
+        w = packed if m is first else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+        m.weight = torch.nn.Parameter(w, requires_grad=False)
+        m.__class__ = PackedLinear
+
+
+def greedy_tokens(logits, chunk=1024, loops=True):
+    """The first best token of each row, as argmax gives it. bf16 on a CPU: argmax_rows's compiled
+    loops when numba is there (and loops=True). Else in two levels, faster than one argmax over the
+    whole row on a CPU: the best chunk of `chunk` tokens (amax: one vectorised pass, no indices), then
+    the best token inside it. logits (S, vocab) -> (S,)."""
+    tokens = argmax_rows(logits) if loops else None
+    if tokens is not None:
+        return tokens
+    rows, vocab = logits.shape
+    n = vocab // chunk
+    maxes = logits[:, : n * chunk].view(rows, n, chunk).amax(dim=-1)  # (S, n)
+    if n * chunk < vocab:  # the last, shorter chunk
+        maxes = torch.cat([maxes, logits[:, n * chunk :].amax(dim=-1, keepdim=True)], dim=1)
+    best = maxes.argmax(dim=-1)  # (S,) the first chunk holding the row's maximum
+    cols = (best[:, None] * chunk + torch.arange(chunk, device=logits.device)).clamp_(max=vocab - 1)  # (S, chunk)
+    return best * chunk + logits.gather(1, cols).argmax(dim=-1)
+
+
+def sample_nucleus(x, top_p, min_p, uniforms, exact, max_rounds=64):
+    """Top-p (and min-p) without sorting the vocabulary, by rejection (the sampler's path for top-p
+    alone on a CPU, where a full sort per row is what costs): draw from the whole distribution and
+    accept the token if the tokens more likely than it hold at most top_p of the mass (it is then in
+    the nucleus) and it passes min-p. An accepted draw follows the distribution restricted to the kept
+    tokens, exactly; the kept mass is >= top_p, so a row needs about 1 / top_p rounds. Rows still
+    undecided after max_rounds go to exact(x, num_best, top_k, top_p, min_p, u), the sampler's sort.
+    x (R, vocab); uniforms(list of rows) -> (len,) draws -> token ids (R,)."""
+    probs = torch.softmax(x, dim=-1)  # (R, vocab)
+    cdf, floor = probs.cumsum(dim=-1), min_p * probs.amax(dim=-1)
+    tokens = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)  # (R,), -1: not yet accepted
+    for _ in range(max_rounds):
+        rows = (tokens < 0).nonzero()[:, 0]
+        if len(rows) == 0:
+            return tokens
+        pending_probs, pending_cdf = (probs, cdf) if len(rows) == len(x) else (probs[rows], cdf[rows])  # (n, vocab)
+        u = uniforms(rows.tolist()) * pending_cdf[:, -1]
+        draw = torch.searchsorted(pending_cdf, u[:, None], right=True).clamp_(max=x.shape[1] - 1)  # (n, 1)
+        p = pending_probs.gather(1, draw)  # (n, 1)
+        above = torch.where(pending_probs > p, pending_probs, 0.0).sum(dim=-1)  # mass of the strictly more likely tokens
+        accept = (above <= top_p[rows]) & (p[:, 0] >= floor[rows])
+        tokens[rows[accept]] = draw[accept, 0]
+    undecided = tokens < 0  # (almost never: a kept mass below 1/64 under min-p) an exact sort decides them
+    if undecided.any():
+        j = undecided.nonzero()[:, 0]
+        k = torch.full((len(j),), x.shape[1], device=x.device)
+        tokens[j] = exact(x[j], x.shape[1], k, top_p[j], min_p[j], uniforms(j.tolist()))
+    return tokens

@@ -18,13 +18,17 @@ One engine step, top to bottom of this file:
     -> logits of each sequence's last scheduled token -> Sampler
     -> append token, check stop -> RequestOutput
 
-Sections: Config | Sampling parameters and outputs | Requests and sequences |
-Block allocator | Scheduler | Model | Loading | Sampler | Structured outputs |
-Beam search | Engine | Server | CLI
+Part I, the engine, in the order of a step (read it top to bottom):
+    Config | Sampling parameters and outputs | Requests and sequences | Block allocator |
+    Scheduler | Model | Loading | Sampler | Engine (LLM.step is the algorithm in 30 lines)
+Part II, after the banner that closes Part I: the plug-ins, each reached from one named
+hook in Part I: Logits processors | Logprobs | Structured outputs | Beam search |
+Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
+references that state the rule); server.py, a separate program, serves HTTP.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
-      python nanobatch.py --serve --port 8000                  (vLLM's /generate, OpenAI /v1/...)
+      python nanobatch.py --serve --port 8000                  (server.py: vLLM's /generate, OpenAI /v1/...)
 API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quick-start; also
       StructuredOutputsParams for constrained output, BeamSearchParams for llm.beam_search)
 """
@@ -44,7 +48,6 @@ import os
 import socket
 import sys
 import time
-import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -54,23 +57,11 @@ import torch.nn.functional as F
 
 import kernels
 
+
 # ---- Config ----
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
-
-
-def cpu_has_native_bf16():
-    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
-    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
-    flags = ("avx512_bf16", "amx_bf16")
-    if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
-        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
-    except OSError:
-        return False
 
 
 @dataclass
@@ -89,22 +80,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that have no seed of their own
 
     def __post_init__(self):
-        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
-            raise ValueError(f"block_size must be a power of two from 1 to 256, got {self.block_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
-                             "every running sequence needs a token of the step budget")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_engine_config(self)  # clear errors for bad numbers (Part II: Validation)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -116,7 +92,7 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+            self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_has_native_bf16() else "float32"
 
     @property
     def torch_dtype(self):
@@ -151,55 +127,7 @@ class SamplingParams:
     structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
 
     def __post_init__(self):
-        def bad(name, rule):
-            raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
-
-        number = (int, float)
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, number) or not 0 <= float(self.temperature) < math.inf:
-            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, number) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k < 2**31:
-            bad("top_k", "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it")
-        if not isinstance(self.min_p, number) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 or None")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a non-empty string or a list of them")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63):
-            bad("seed", "must be an integer from 0 to 2**63 - 1, or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer from 0 to 20 or None")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or not 0 <= self.prompt_logprobs <= 20):
-            bad("prompt_logprobs", "must be an integer from 0 to 20 or None")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), number) or not -2 <= getattr(self, name) <= 2:
-                bad(name, "must be a number from -2 to 2")
-        if not isinstance(self.repetition_penalty, number) or not 0 < self.repetition_penalty < math.inf:
-            bad("repetition_penalty", "must be a finite number > 0 (1 means none)")
-        self.logit_bias = dict(self.logit_bias or {})
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, number) and math.isfinite(b) for t, b in self.logit_bias.items()):
-            bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0 or self.min_tokens > (self.max_tokens or math.inf):
-            bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be a bool")
-        if self.output_kind not in ("cumulative", "final_only"):
-            bad("output_kind", "must be 'cumulative' or 'final_only'")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            bad("structured_outputs", "must be a StructuredOutputsParams or None")
-        if self.top_k == -1:
-            self.top_k = 0
+        check_sampling_params(self)  # normalises (a lone stop string, top_k -1) and names what is wrong
 
     @property
     def has_penalties(self):
@@ -208,7 +136,7 @@ class SamplingParams:
     @property
     def text_each_step(self):
         # the text is read as it grows: streamed (cumulative outputs) or searched for stop strings; else it
-        # is decoded once, when the request ends (LLM._detokenize)
+        # is decoded once, when the request ends (detokenize)
         return self.output_kind != "final_only" or bool(self.stop)
 
 
@@ -291,7 +219,6 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key of each full block, chained
-    num_synced_blocks: int = 0  # block_ids[:this] are already in the engine's persistent block table (see BlockTables)
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
     detokenizer: object = None  # a tokenizers DecodeStream: output text grows by whole characters, O(1) per token
     text: str = ""
@@ -325,17 +252,11 @@ class Sequence:
 
 
 class BlockAllocator:
-    """A pool of KV blocks with ref counts and a prefix cache.
-
-    A block's key is a chained sha256 (parent block's key, this block's token ids),
-    registered once the block is full. A hit must also match the block's tokens and
-    its parent block (the one the looking-up sequence matched just before), so even
-    a key collision never shares a block computed after a different prefix. Free
-    blocks sit in an LRU list; a freed block keeps its key until it is handed out
-    again, so a later request with the same prefix can take it back (the free list
-    doubles as the cache). A registered block is only held by sequences that also
-    hold its parent, and each is freed tail first: a child is always evicted before
-    its parent, so the parent block id an entry names still holds that parent."""
+    """A pool of KV blocks with ref counts and a prefix cache. A full block is registered under a
+    chained sha256 key (parent's key, its token ids); a hit must also match the tokens and the parent
+    block, so even a key collision never shares a block computed after another prefix. A freed block
+    keeps its key until it is handed out again: the LRU free list doubles as the cache. Blocks are
+    freed tail first, so a child is evicted before its parent and the parent an entry names stays."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -387,7 +308,7 @@ class BlockAllocator:
     def hash_block(parent_key, token_ids):
         """The one function that makes a key: sha256 over (parent key, token ids as int64), so a key names
         the whole prefix. Python's hash() is unsalted for ints and a client could aim at a collision (vLLM
-        moved to sha256 for this, CVE-2025-25183). About 1 us per block, once per block."""
+        moved to sha256 for this, CVE-2025-25183)."""
         return hashlib.sha256((parent_key or b"") + array.array("q", token_ids).tobytes()).digest()
 
     def share_cached(self, key, parent_block, token_ids):
@@ -559,7 +480,6 @@ class Scheduler:
             src, dst = seq.block_ids[i], self.allocator.allocate()
             self.allocator.free([src])
             seq.block_ids[i] = dst
-            seq.num_synced_blocks = min(seq.num_synced_blocks, i)  # the engine's block table row changes from here
             block_copies.append((src, dst))
         if num_needed > 0:
             seq.block_ids.extend(self.allocator.allocate() for _ in range(num_needed))
@@ -567,7 +487,7 @@ class Scheduler:
 
     def _release(self, seq):
         self.allocator.free(seq.block_ids)
-        seq.block_ids, seq.num_synced_blocks = [], 0
+        seq.block_ids = []
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq, batch):
@@ -610,15 +530,6 @@ class Scheduler:
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
-
-    def repoint(self, seq, block_ids):
-        """Give seq another block table (a beam taking over another beam's history). The new
-        blocks are shared before the old ones are freed: a block both hold stays put, a block
-        nobody holds any more goes back to the pool at once."""
-        for block_id in block_ids:
-            self.allocator.share(block_id)
-        self.allocator.free(seq.block_ids)
-        seq.block_ids, seq.num_synced_blocks = list(block_ids), 0  # the engine's block table row is rewritten whole
 
     def finish(self, seq):
         if seq.status == RUNNING:
@@ -699,39 +610,6 @@ class ModelConfig:
         )
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose weight can be packed once for a CPU (pack_for_cpu). F.linear hands a bf16
-    weight to oneDNN in torch's plain layout, and oneDNN reorders it into its blocked layout at every
-    call; packed once at load (what torch.compile's freezing does on a CPU), each of the default model's
-    matmuls at batch 48 ran 1.5-1.7x faster alone, and a decode step's took 21-24 ms instead of 31-32,
-    with the same results bit for bit."""
-
-    def forward(self, x):
-        if self.weight.is_mkldnn:  # packed: oneDNN's own layout
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def pack_for_cpu(model):
-    """Pack every Linear's weight into oneDNN's layout (bf16 on a CPU), one layer at a time: each plain
-    weight is replaced, so memory stays the same once loading ends, except that a tied lm_head gets its
-    own packed copy of the embedding. Tried on one layer first: a torch without these oneDNN ops, or one
-    that gives other results, keeps plain F.linear, with a warning."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    first = linears[0]
-    try:
-        probe = torch.randn(3, first.in_features, dtype=first.weight.dtype, generator=torch.Generator().manual_seed(0))
-        packed = torch.ops.mkldnn._reorder_linear_weight(first.weight.detach())
-        if not torch.equal(torch.ops.mkldnn._linear_pointwise(probe, packed, first.bias, "none", [], ""), first(probe)):
-            raise ValueError("results differ from F.linear")
-    except Exception as e:
-        warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
-        return
-    for m in linears:
-        w = packed if m is first else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
-        m.weight = nn.Parameter(w, requires_grad=False)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -789,10 +667,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotary embedding
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -816,9 +694,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -853,7 +731,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
 
     @torch.inference_mode()
@@ -915,8 +793,7 @@ def load_model(path, dtype, device, on_config=None):
     model.eval()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        pack_for_cpu(model)
+    kernels.pack_linears_cpu(model)  # bf16 on a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
 
 
@@ -949,53 +826,6 @@ def _load_gguf_weights(path, gguf):
 # ---- Sampler ----
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would overflow to inf, then NaN)
-
-
-def apply_penalties(logits, seqs, eos_token_ids):
-    """min_tokens, logit_bias, then repetition / frequency / presence penalties (vLLM's order),
-    in place on the rows whose request asks for them: rows that use none cost nothing.
-    logits (S, vocab) fp32 (or the model dtype for a plain greedy batch), one row per sequence."""
-    penalized = []
-    for row, seq in enumerate(seqs):
-        p = seq.request.params
-        if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
-            stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
-            logits[row, stops] = -math.inf
-        if p.logit_bias:
-            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-        if p.has_penalties:
-            penalized.append(row)
-    if not penalized:
-        return logits
-    rows = torch.tensor(penalized, device=logits.device)
-    params = [seqs[r].request.params for r in penalized]
-
-    def column(name):  # (R, 1)
-        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=logits.device)[:, None]
-
-    counts = torch.stack([_output_counts(seqs[r], logits) for r in penalized])  # (R, vocab)
-    in_prompt = torch.stack([_prompt_mask(seqs[r].request, logits) for r in penalized])  # (R, vocab)
-    x = logits[rows]
-    rep = column("repetition_penalty")
-    x = torch.where(in_prompt | (counts > 0), torch.where(x > 0, x / rep, x * rep), x)  # repetition: over prompt and output
-    x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)  # these two: over the output only
-    logits[rows] = x
-    return logits
-
-
-def _output_counts(seq, logits):
-    if seq.output_counts is None:  # built once from the tokens so far, then kept up to date by LLM._append_tokens
-        ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
-        seq.output_counts = torch.bincount(ids, minlength=logits.shape[1]).to(torch.int32)  # (vocab,)
-    return seq.output_counts
-
-
-def _prompt_mask(request, logits):
-    if request.prompt_mask is None:
-        request.prompt_mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # (vocab,)
-        request.prompt_mask[request.prompt_token_ids] = True
-    return request.prompt_mask
-
 
 @dataclass
 class SamplingBatch:
@@ -1059,9 +889,9 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     per row, not one per vocabulary entry. Seeded rows draw from their own generator,
     so their samples do not depend on the rest of the batch."""
     if sb.all_greedy:
-        return greedy_tokens(logits)
+        return kernels.greedy_tokens(logits)
     num_rows = len(sb.generators)
-    tokens = greedy_tokens(logits) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
+    tokens = kernels.greedy_tokens(logits) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
     x = (logits if num_rows == len(logits) else logits[sb.rows]) / sb.temperature[:, None]  # (R, vocab)
     sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # (R,)
 
@@ -1074,9 +904,10 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     if sb.plain:  # the whole distribution, in vocabulary order (no sort needed)
         j = torch.tensor(sb.plain, device=x.device)
         sampled[j] = _draw(_min_p(torch.softmax(rows_of(sb.plain), dim=-1), sb.min_p[j]), uniforms(sb.plain))
-    if sb.nucleus:
+    if sb.nucleus:  # top-p alone on a CPU: by rejection, no sort (kernels.py); exact for rows it cannot decide
         j = torch.tensor(sb.nucleus, device=x.device)
-        sampled[j] = _sample_nucleus(rows_of(sb.nucleus), sb.top_p[j], sb.min_p[j], lambda rows: uniforms([sb.nucleus[r] for r in rows]))
+        draw = lambda rows: uniforms([sb.nucleus[r] for r in rows])  # noqa: E731
+        sampled[j] = kernels.sample_nucleus(rows_of(sb.nucleus), sb.top_p[j], sb.min_p[j], draw, exact=_sample_best)
     if sb.best:
         j = torch.tensor(sb.best, device=x.device)
         sampled[j] = _sample_best(rows_of(sb.best), sb.num_best, sb.top_k[j], sb.top_p[j], sb.min_p[j], uniforms(sb.best))
@@ -1084,24 +915,6 @@ def sample(logits, sb: SamplingBatch, engine_generator):
         return sampled
     tokens[sb.rows] = sampled
     return tokens
-
-
-def greedy_tokens(logits, chunk=1024, loops=True):
-    """The first best token of each row, as argmax gives it. bf16 on a CPU: kernels.argmax_rows's
-    compiled loops (1 ms at 256 rows x 49152) when numba is there (and loops=True). Else in two levels:
-    the best chunk of `chunk` tokens (amax: one vectorised pass, no indices), then the best token inside
-    it; on a CPU, 3 ms where argmax takes 20 (256 rows x 49152, bf16). logits (S, vocab) -> (S,)."""
-    tokens = kernels.argmax_rows(logits) if loops else None
-    if tokens is not None:
-        return tokens
-    rows, vocab = logits.shape
-    n = vocab // chunk
-    maxes = logits[:, : n * chunk].view(rows, n, chunk).amax(dim=-1)  # (S, n)
-    if n * chunk < vocab:  # the last, shorter chunk
-        maxes = torch.cat([maxes, logits[:, n * chunk :].amax(dim=-1, keepdim=True)], dim=1)
-    best = maxes.argmax(dim=-1)  # (S,) the first chunk holding the row's maximum
-    cols = (best[:, None] * chunk + torch.arange(chunk, device=logits.device)).clamp_(max=vocab - 1)  # (S, chunk)
-    return best * chunk + logits.gather(1, cols).argmax(dim=-1)
 
 
 def _uniforms(generators, engine_generator, device):
@@ -1125,34 +938,6 @@ def _sample_best(x, num_best, top_k, top_p, min_p, u):
     return ids.gather(1, _draw(_min_p(probs * keep, min_p), u)[:, None])[:, 0]
 
 
-def _sample_nucleus(x, top_p, min_p, uniforms, max_rounds=64):
-    """Top-p (and min-p) without sorting the vocabulary, by rejection: draw from the whole
-    distribution and accept the token if the tokens more likely than it hold at most top_p
-    of the mass (it is then in the nucleus) and it passes min-p. An accepted draw follows
-    the distribution restricted to the kept tokens, exactly; the kept mass is >= top_p,
-    so a row needs about 1 / top_p rounds. x (R, vocab) -> token ids (R,)."""
-    probs = torch.softmax(x, dim=-1)  # (R, vocab)
-    cdf, floor = probs.cumsum(dim=-1), min_p * probs.amax(dim=-1)
-    tokens = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)  # (R,), -1: not yet accepted
-    for _ in range(max_rounds):
-        rows = (tokens < 0).nonzero()[:, 0]
-        if len(rows) == 0:
-            return tokens
-        pending_probs, pending_cdf = (probs, cdf) if len(rows) == len(x) else (probs[rows], cdf[rows])  # (n, vocab)
-        u = uniforms(rows.tolist()) * pending_cdf[:, -1]
-        draw = torch.searchsorted(pending_cdf, u[:, None], right=True).clamp_(max=x.shape[1] - 1)  # (n, 1)
-        p = pending_probs.gather(1, draw)  # (n, 1)
-        above = torch.where(pending_probs > p, pending_probs, 0.0).sum(dim=-1)  # mass of the strictly more likely tokens
-        accept = (above <= top_p[rows]) & (p[:, 0] >= floor[rows])
-        tokens[rows[accept]] = draw[accept, 0]
-    undecided = tokens < 0  # (almost never: a kept mass below 1/64 under min-p) an exact sort decides them
-    if undecided.any():
-        j = undecided.nonzero()[:, 0]
-        k = torch.full((len(j),), x.shape[1], device=x.device)
-        tokens[j] = _sample_best(x[j], x.shape[1], k, top_p[j], min_p[j], uniforms(j.tolist()))
-    return tokens
-
-
 def _min_p(probs, min_p):
     # drop tokens less likely than min_p times the most likely one (a ratio: normalisation does not matter)
     return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -1166,6 +951,628 @@ def _draw(probs, u):
     return index.clamp_(max=probs.shape[1] - 1)
 
 
+# ---- Engine ----
+
+class BlockTables:
+    """The block tables of the running sequences, kept in one persistent host tensor (pinned on
+    CUDA): each running sequence owns a row, a step writes only the block ids that changed, and
+    the batch's rows are gathered with one index op, not rebuilt from nested lists every step."""
+
+    def __init__(self, num_rows, max_blocks_per_seq, device):
+        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
+        self.free_rows = list(range(num_rows))
+        self.row_of = {}  # running sequence -> its row
+        self.synced = {}  # running sequence -> the block ids its row holds
+
+    def rows(self, seqs):
+        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
+        for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
+            self.free_rows.append(self.row_of.pop(seq))
+            del self.synced[seq]
+        rows = []
+        for seq in seqs:
+            if seq not in self.row_of:
+                self.row_of[seq], self.synced[seq] = self.free_rows.pop(), []
+            row, held, ids = self.row_of[seq], self.synced[seq], seq.block_ids
+            # mostly the table just grew; a copy-on-write or a re-pointed beam changed a held block: rewrite the row
+            first = len(held) if ids[: len(held)] == held else 0
+            if first < len(ids):
+                self.table[row, first : len(ids)] = torch.tensor(ids[first:], dtype=torch.int32)
+                self.synced[seq] = list(ids)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
+
+
+class LLM:
+    """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
+    can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
+
+    def __init__(self, model=None, **engine_config):
+        self.config = EngineConfig(model=model, **engine_config)
+        self.device = torch.device(self.config.device)
+        path = self.config.model or default_model_path()
+        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len)
+        self.eos_token_ids = self._eos_token_ids(path)
+        self.kv_pool, num_blocks = self._allocate_kv_cache()
+        self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
+        self.allocator = BlockAllocator(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.allocator)
+        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size), self.device)
+        self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
+        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self.request_counter = itertools.count()
+        self.seq_counter = itertools.count()
+        self.stats = EngineStats()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        freeze_gc_heap()  # hook (Stats, and a host-speed habit): no full-heap GC scans inside the step loop
+
+    def _set_max_model_len(self, hf_config, model_config):
+        """Runs on the model's config, before its weights load."""
+        limit = model_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # no sliding-window attention here: stay inside the window, where it is exact
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} tokens")
+        self.max_model_len = self.config.max_model_len or limit
+
+    def _eos_token_ids(self, path):
+        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None))}
+        gen_config = os.path.join(path, "generation_config.json")
+        if os.path.isdir(path) and os.path.exists(gen_config):
+            with open(gen_config) as f:
+                ids.update(_as_list(json.load(f).get("eos_token_id")))
+        return {i for i in ids if i is not None}
+
+    def _allocate_kv_cache(self):
+        cfg, c = self.model_config, self.config
+        bytes_per_block = 2 * cfg.num_layers * c.block_size * cfg.num_kv_heads * cfg.head_dim * c.torch_dtype.itemsize
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        else:
+            num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+        # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
+        # so that a copy-on-write of block src -> dst is one indexing op over all layers
+        kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
+        return kv_pool, num_blocks
+
+    def _kv_cache_budget(self):
+        if self.device.type == "cpu":
+            return CPU_KV_CACHE_BYTES
+        cfg, c = self.model_config, self.config
+        torch.cuda.empty_cache()  # memory freed while loading is reserved by torch's allocator, not used
+        free, total = torch.cuda.mem_get_info(self.device)
+        # activations of the largest step: a handful of (tokens, hidden / intermediate) tensors, plus fp32 logits
+        activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
+        return int(total * c.gpu_memory_utilization) - (total - free) - activations
+
+    # -- requests in --
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
+        """Queue one request; it joins the running batch at the next step. Returns its id.
+        Raises ValueError (naming the problem) for input that can never run."""
+        return self._enqueue(*self._validate(prompt, params), request_id)
+
+    def _validate(self, prompt, params, **change):
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        # a copy (its lists too), as vLLM: the caller may reuse or change theirs (beam groups give only final outputs)
+        params = dataclasses.replace(params, **change) if isinstance(params, SamplingParams) else dataclasses.replace(params)
+        text, token_ids = tokenize_prompt(self, prompt)  # hook (Validation): a string, token ids or a dict
+        check_fits(self, token_ids, params)  # hook (Validation): the request fits the model and the pool
+        self.structured_outputs.compile(getattr(params, "structured_outputs", None))  # a constraint that does not compile fails here, not mid-run
+        return text, token_ids, params
+
+    def _enqueue(self, text, token_ids, params, request_id=None):
+        if request_id is None:  # the next number no request holds (add_request may have taken "7" by hand)
+            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        beam = None
+        if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width seats; the group does the rest
+            beam = BeamGroup(params, frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+            params = params.sampling_params()
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()), beam=beam)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
+        seq = self._new_seq(request, list(token_ids), index=0)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def chat_prompt(self, messages):
+        """A chat rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
+        The template already holds BOS where the model wants one: tokenize without adding it again."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _new_seq(self, request, token_ids, index):
+        seed = request.params.seed
+        # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
+        generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
+        seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
+        seq.matcher = self.structured_outputs.new_matcher(request.params.structured_outputs)  # a fork starts before its first token: a fresh one
+        request.seqs.append(seq)
+        return seq
+
+    def _fork(self, parent, index):
+        child = self._new_seq(parent.request, list(parent.token_ids), index)
+        child.status, child.num_computed_tokens = RUNNING, parent.num_computed_tokens
+        child.block_ids, child.block_hashes = list(parent.block_ids), list(parent.block_hashes)
+        return child
+
+    def abort_request(self, request_id):
+        """Stop a request now (finish_reason "abort") and free its blocks."""
+        request = self.requests.get(str(request_id))
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.status != FINISHED:
+                seq.finish_reason = "abort"
+                finish_text(self.tokenizer, seq)
+                self.scheduler.finish(seq)
+        self.aborted.append(request)
+
+    def reset_prefix_cache(self):
+        """Empty the prefix cache (as vLLM's): later requests recompute every prompt block."""
+        self.allocator.reset_cache()
+
+    def has_unfinished_requests(self):
+        return self.scheduler.has_unfinished() or bool(self.aborted)  # an abort's final output is still to come
+
+    # -- one step --
+
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching: schedule, run the model once over the packed batch,
+        sample, and return an output for every request that got a token (or ended) in this step."""
+        batch = self.scheduler.schedule()  # 1. who runs this step, with how many tokens each
+        record_stats(self, batch)  # hook (Stats)
+        if not batch.seqs:
+            return self._collect_aborted()
+        for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+        input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch
+        logits = self.model(input_ids, positions, self.layer_caches, meta)  # 4. (sampled + prompt-logprob rows, vocab)
+        self.scheduler.mark_computed(batch)  # 5. the new K/V are cached: full blocks become shareable
+        if prompt_spans:  # hook (Logprobs): the prompt positions' rows
+            record_prompt_logprobs(self, logits[len(seqs) :], prompt_spans)
+            logits = logits[: len(seqs)]
+        outputs, seqs, logits = step_beams(self, seqs, logits)  # hook (Beam search): beam groups take their rows
+        seqs, logits = self._fork_samples(seqs, logits)  # 6. n > 1: a prefilled prompt forks into its samples
+        sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
+        logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
+        raw = logits.clone() if sb.max_logprobs is not None else logits  # logprobs are the model's own, as vLLM's
+        token_ids = sample(process_logits(logits, seqs, self.eos_token_ids), sb, self.generator)  # 7. hook, then sample
+        logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
+        return outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 8. append, check stops, outputs
+
+    def _fork_samples(self, seqs, logits):
+        """A request with n > 1 forks after its prompt is prefilled: the samples share the prompt's
+        blocks (ref counts, Scheduler.fork) and its logits row."""
+        if all(seq.request.forked for seq in seqs):
+            return seqs, logits
+        rows, samples = [], []
+        for row, seq in enumerate(seqs):
+            family = [seq] if seq.request.forked else [seq, *self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)]
+            rows += [row] * len(family)
+            samples += family
+        return samples, logits[rows]  # (num_samples, vocab)
+
+    def _prepare_inputs(self, batch: ScheduledBatch):
+        """The flat token batch and its BatchMetadata, copied to the device once. Returns (input_ids,
+        positions, meta, the sequences that sample, prompt-logprob spans). Logits rows: one per
+        sampling sequence (its last token), then the prompt positions of prompt_logprob_rows."""
+        bs = self.config.block_size
+        input_ids, seq_lens, sample_rows, sampled = [], [], [], []
+        start = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            end = seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[seq.num_computed_tokens : end]
+            seq_lens.append(end)
+            if end == len(seq.token_ids):  # the prompt (or chunk) reaches the end: this row samples the next token
+                sample_rows.append(start + num_new - 1)
+                sampled.append(seq)
+            start += num_new
+        prompt_rows, prompt_spans = prompt_logprob_rows(batch)  # hook (Logprobs)
+        # positions and cache slots, vectorised over the batch's tokens
+        num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
+        starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
+        positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
+        rows = self.block_tables.rows(batch.seqs)  # (num_seqs,)
+        max_blocks = max(len(s.block_ids) for s in batch.seqs)
+        block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
+
+        def on_device(t):
+            return t.to(self.device, non_blocking=True)
+
+        meta = BatchMetadata(
+            query_start_loc=on_device(starts),
+            seq_lens=on_device(seq_lens),
+            slot_mapping=on_device(slots),
+            block_tables=on_device(block_tables),
+            logits_indices=on_device(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
+        )
+        return on_device(torch.tensor(input_ids)), on_device(positions), meta, sampled, prompt_spans
+
+    def _append_tokens(self, seqs, token_ids, logprobs):
+        now = time.perf_counter()
+        touched = {}  # requests that may have an output: every cumulative one, a final_only one when a sample ends
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(token_id)
+            params = seq.request.params
+            track_token(self, seq, row, token_id, logprobs)  # hook (Part II): grammar state, penalty counts, logprobs
+            num_chars = len(seq.text)
+            if params.text_each_step:
+                detokenize(self.tokenizer, seq, token_id)
+            self._check_stop(seq, token_id, num_chars)
+            if seq.finish_reason is not None:
+                finish_text(self.tokenizer, seq)
+                self.scheduler.finish(seq)
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if params.output_kind != "final_only" or seq.finish_reason is not None:
+                touched[request.request_id] = request
+        self.stats.num_output_tokens += len(token_ids)
+        outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
+        return outputs + self._collect_aborted()
+
+    def _check_stop(self, seq, token_id, num_chars_before):
+        params = seq.request.params
+        num_output = seq.num_output_tokens
+        may_stop = num_output >= params.min_tokens  # before min_tokens only the length limit ends it
+        if may_stop and token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif grammar_terminated(seq):
+            seq.finish_reason = "stop"
+        elif may_stop and params.stop and truncate_at_stop_string(seq, num_chars_before):
+            seq.finish_reason = "stop"
+        elif num_output >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        finished = request.finished()
+        if finished:
+            request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
+            del self.requests[request.request_id]  # it ends exactly once: no later output
+        # a snapshot: the lists are copied (callers and server threads may keep it while the engine runs on)
+        completions = [
+            CompletionOutput(
+                s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob if s.logprobs is not None else None,
+            )
+            for s in request.seqs
+        ]
+        prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
+
+    def _collect_aborted(self):
+        """Aborted requests end exactly once: their final output comes out of the next step."""
+        done = [self._make_output(r) for r in self.aborted if r.request_id in self.requests]
+        self.aborted.clear()
+        return done
+
+    # -- the offline API --
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order.
+        prompts: a string, a list of strings, or a list of token-id lists. (Requests queued
+        earlier with add_request run along, but their outputs are not returned here.)"""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts) if prompts is not None else []
+        if not prompts:
+            raise ValueError("no prompts given")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        validated = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):  # check everything before queueing anything
+            try:
+                validated.append(self._validate(prompt, p, output_kind="final_only"))  # only final outputs: no per-step copies
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids, finished = [], {}
+        bar = None
+        try:
+            for v in validated:
+                ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
+            bar = _GenerateProgress(self, ids, validated) if use_tqdm else None
+            while self.has_unfinished_requests():
+                outputs = self.step()
+                for out in outputs:
+                    finished[out.request_id] = out
+                if bar is not None:
+                    bar.update(outputs)
+        except BaseException:
+            for request_id in ids:  # a failed or interrupted run leaves nothing behind
+                self.abort_request(request_id)
+            self._collect_aborted()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def beam_search(self, prompts, params: "BeamSearchParams", use_tqdm=False) -> list["BeamSearchOutput"]:
+        """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first (see Beam search)."""
+        return beam_search(self, prompts, params, use_tqdm)
+
+def _as_list(x):
+    return x if isinstance(x, (list, tuple)) else [x]
+
+
+# =====================================================================================
+# ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
+# =====================================================================================
+#
+# Everything below joins the step loop at a named place: process_logits (Logits processors),
+# prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
+# step_beams (Beam search), _GenerateProgress (generate's progress bar). A learner may stop here.
+
+
+# ---- Validation: bad settings get an error that names them ----
+
+
+def check_engine_config(c: EngineConfig):
+    if not (isinstance(c.block_size, int) and 1 <= c.block_size <= 256 and c.block_size & (c.block_size - 1) == 0):
+        raise ValueError(f"block_size must be a power of two from 1 to 256, got {c.block_size!r}")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if not (isinstance(getattr(c, name), int) and getattr(c, name) >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {getattr(c, name)!r}")
+    if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
+        raise ValueError(f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs}): "
+                         "every running sequence needs a token of the step budget")
+    for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
+        value = getattr(c, name)
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if not (isinstance(c.gpu_memory_utilization, (int, float)) and 0 < c.gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization!r}")
+    if c.dtype != "auto" and c.dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {c.dtype!r}")
+
+
+def check_sampling_params(p: SamplingParams):
+    def bad(name, rule):
+        raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(p, name)!r}")
+
+    number = (int, float)
+    if not isinstance(p.n, int) or isinstance(p.n, bool) or p.n < 1:
+        bad("n", "must be an integer >= 1")
+    if not isinstance(p.temperature, number) or not 0 <= float(p.temperature) < math.inf:
+        bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+    if not isinstance(p.top_p, number) or not 0 < p.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if not isinstance(p.top_k, int) or isinstance(p.top_k, bool) or not -1 <= p.top_k < 2**31:
+        bad("top_k", "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it")
+    if not isinstance(p.min_p, number) or not 0 <= p.min_p <= 1:
+        bad("min_p", "must be in [0, 1]")
+    if p.max_tokens is not None and (not isinstance(p.max_tokens, int) or isinstance(p.max_tokens, bool) or p.max_tokens < 1):
+        bad("max_tokens", "must be an integer >= 1 or None")
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    p.stop = list(p.stop or [])
+    if not all(isinstance(s, str) and s for s in p.stop):
+        bad("stop", "must be a non-empty string or a list of them")
+    p.stop_token_ids = list(p.stop_token_ids or [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
+        bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
+        bad("seed", "must be an integer from 0 to 2**63 - 1, or None")
+    if p.logprobs is not None and (not isinstance(p.logprobs, int) or isinstance(p.logprobs, bool) or not 0 <= p.logprobs <= 20):
+        bad("logprobs", "must be an integer from 0 to 20 or None")
+    if p.prompt_logprobs is not None and (not isinstance(p.prompt_logprobs, int) or isinstance(p.prompt_logprobs, bool) or not 0 <= p.prompt_logprobs <= 20):
+        bad("prompt_logprobs", "must be an integer from 0 to 20 or None")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not isinstance(getattr(p, name), number) or not -2 <= getattr(p, name) <= 2:
+            bad(name, "must be a number from -2 to 2")
+    if not isinstance(p.repetition_penalty, number) or not 0 < p.repetition_penalty < math.inf:
+        bad("repetition_penalty", "must be a finite number > 0 (1 means none)")
+    p.logit_bias = dict(p.logit_bias or {})
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, number) and math.isfinite(b) for t, b in p.logit_bias.items()):
+        bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+    if not isinstance(p.min_tokens, int) or isinstance(p.min_tokens, bool) or p.min_tokens < 0 or p.min_tokens > (p.max_tokens or math.inf):
+        bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(getattr(p, name), bool):
+            bad(name, "must be a bool")
+    if p.output_kind not in ("cumulative", "final_only"):
+        bad("output_kind", "must be 'cumulative' or 'final_only'")
+    if p.structured_outputs is not None and not isinstance(p.structured_outputs, StructuredOutputsParams):
+        bad("structured_outputs", "must be a StructuredOutputsParams or None")
+    if p.top_k == -1:
+        p.top_k = 0
+
+
+def check_fits(llm, token_ids, params):
+    # a beam group alone must fit the pool even when its beams share nothing (and after a preemption they share nothing)
+    num_beams = params.beam_width if isinstance(params, BeamSearchParams) else 1
+    if num_beams > 1 and 2 * num_beams > llm.model_config.vocab_size:
+        raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {llm.model_config.vocab_size}")
+    params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
+    if len(token_ids) >= llm.max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
+    if params.n > llm.config.max_num_seqs:
+        raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
+    max_len = min(llm.max_model_len, len(token_ids) + (params.max_tokens or llm.max_model_len))
+    blocks = -(-max_len // llm.config.block_size) * num_beams
+    if blocks > llm.allocator.num_blocks:
+        raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {llm.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
+
+
+def tokenize_prompt(llm, prompt):
+    """(text or None, token ids) of a string, a list of token ids, or vLLM's dict form."""
+    if isinstance(prompt, dict):  # {"prompt": text} and/or {"prompt_token_ids": [...]}
+        if prompt.get("prompt_token_ids") is not None:
+            return prompt.get("prompt"), tokenize_prompt(llm, prompt["prompt_token_ids"])[1]
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt, llm.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < llm.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{llm.model_config.vocab_size - 1})")
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+# ---- Stats, and a host-speed habit ----
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    peak_blocks_in_use: int = 0
+    kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
+
+
+def record_stats(llm, batch):
+    s = llm.stats
+    s.num_steps += 1
+    s.num_preemptions += batch.num_preempted
+    in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
+    if in_use > s.peak_blocks_in_use:
+        s.peak_blocks_in_use = in_use
+        s.kv_utilization_at_peak = llm.allocator.num_filled_slots / (in_use * llm.config.block_size)
+
+
+def freeze_gc_heap():
+    """The step loop allocates every step, so Python's cyclic GC runs often, and a full collection walks
+    every object it tracks: after loading torch, transformers, a model and its tokenizer, hundreds of
+    thousands, a stall inside one step. Freeze them, as vLLM does: they stay, and the collector skips
+    them from now on (objects freed by reference counting, as an LLM is, still go at once). At exit
+    they are unfrozen, so that the interpreter's last collection still sees them."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # (registered once, however many engines are made)
+    atexit.register(gc.unfreeze)
+
+
+# ---- Detokenization and stop strings ----
+
+
+def detokenize(tokenizer, seq, token_id=None, flush=False):
+    """Incremental detokenization with the tokenizers library's DecodeStream: each token
+    costs O(1), the text grows by whole characters and equals a decode of all output
+    tokens (a SentencePiece tokenizer drops the first output token's leading space, as
+    decoding the output tokens alone does). flush: the tokens not yet in the text are
+    decoded in one call: a character still cut in the middle at the end comes out as the
+    replacement character, as a plain decode gives it; for a request whose text nobody
+    reads before it ends (not text_each_step), that is every output token, decoded once."""
+    if flush:
+        if seq.num_detokenized < seq.num_output_tokens:
+            rest = seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :]
+            seq.text += tokenizer.decode(rest, skip_special_tokens=seq.request.params.skip_special_tokens)
+            seq.num_detokenized = seq.num_output_tokens
+        return
+    if seq.detokenizer is None:
+        from tokenizers.decoders import DecodeStream
+
+        seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
+    piece = seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
+    if piece is not None:
+        seq.text += piece
+        seq.num_detokenized = seq.num_output_tokens
+
+def finish_text(tokenizer, seq):
+    if not isinstance(seq.stop_reason, str):  # (a stop string already cut the text where it ends)
+        detokenize(tokenizer, seq, flush=True)
+
+
+def truncate_at_stop_string(seq, num_chars_before):
+    # a stop string can only end in the new characters: search from len(stop) - 1 before them
+    params = seq.request.params
+    hits = [(i, s) for s in params.stop if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
+    if not hits:
+        return False
+    at, seq.stop_reason = min(hits)
+    seq.text = seq.text[: at + len(seq.stop_reason) if params.include_stop_str_in_output else at]
+    return True
+
+
+# ---- Logits processors ----
+
+
+def process_logits(logits, seqs, eos_token_ids):
+    """The step's logits processors, in place, before sampling: grammar masks (Structured outputs),
+    then min_tokens, logit_bias and the repetition / frequency / presence penalties (vLLM's order).
+    Rows whose request asks for none of them cost nothing. logits (S, vocab), row i for seqs[i]."""
+    apply_grammar_masks(logits, seqs)
+    return apply_penalties(logits, seqs, eos_token_ids)
+
+
+
+def apply_penalties(logits, seqs, eos_token_ids):
+    """min_tokens, logit_bias, then repetition / frequency / presence penalties, in place on the rows
+    whose request asks for them. logits (S, vocab) fp32 (or the model dtype for a plain greedy batch)."""
+    penalized = []
+    for row, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
+            stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
+            logits[row, stops] = -math.inf
+        if p.logit_bias:
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if p.has_penalties:
+            penalized.append(row)
+    if not penalized:
+        return logits
+    rows = torch.tensor(penalized, device=logits.device)
+    params = [seqs[r].request.params for r in penalized]
+
+    def column(name):  # (R, 1)
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=logits.device)[:, None]
+
+    counts = torch.stack([_output_counts(seqs[r], logits) for r in penalized])  # (R, vocab)
+    in_prompt = torch.stack([_prompt_mask(seqs[r].request, logits) for r in penalized])  # (R, vocab)
+    x = logits[rows]
+    rep = column("repetition_penalty")
+    x = torch.where(in_prompt | (counts > 0), torch.where(x > 0, x / rep, x * rep), x)  # repetition: over prompt and output
+    x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)  # these two: over the output only
+    logits[rows] = x
+    return logits
+
+
+def _output_counts(seq, logits):
+    if seq.output_counts is None:  # built once from the tokens so far, then kept up to date by track_token
+        ids = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+        seq.output_counts = torch.bincount(ids, minlength=logits.shape[1]).to(torch.int32)  # (vocab,)
+    return seq.output_counts
+
+
+def _prompt_mask(request, logits):
+    if request.prompt_mask is None:
+        request.prompt_mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # (vocab,)
+        request.prompt_mask[request.prompt_token_ids] = True
+    return request.prompt_mask
+
+
+# ---- Logprobs, and the state each sampled token updates ----
+
+
 def compute_logprobs(logits, token_ids, num_top):
     """Log-probabilities of the chosen tokens, their ranks, and the num_top best alternatives,
     as Python lists (one device-to-host copy): (chosen, ranks, top values, top ids)."""
@@ -1174,6 +1581,64 @@ def compute_logprobs(logits, token_ids, num_top):
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # (S,)
     top = logprobs.topk(num_top, dim=-1)  # (S, num_top) values and ids
     return chosen[:, 0].tolist(), ranks.tolist(), top.values.tolist(), top.indices.tolist()
+
+
+def track_token(llm, seq, row, token_id, logprobs):
+    """What a sampled token updates besides the token list: the grammar's state, the penalty counts,
+    and the sampled token's logprobs (row `row` of compute_logprobs' lists)."""
+    advance_grammar(seq, token_id)
+    if seq.output_counts is not None:  # penalties: counts kept incrementally
+        seq.output_counts[token_id] += 1
+    k = seq.request.params.logprobs
+    if logprobs is not None and k is not None:
+        entry = logprob_entry(llm, logprobs, row, token_id, k)
+        seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += entry[token_id].logprob
+
+
+def prompt_logprob_rows(batch):
+    """Extra logits rows for the requests that want prompt logprobs: position p's row scores prompt
+    token p + 1; positions scored before a preemption are not scored again. Returns (row indices in
+    the flat batch, spans [(seq, first position, count)])."""
+    rows, spans, start = [], [], 0
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        if seq.request.prompt_logprobs is not None:
+            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            lo, hi = max(first, len(seq.request.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                rows += range(start + lo - first, start + hi - first)
+                spans.append((seq, lo, hi - lo))
+        start += num_new
+    return rows, spans
+
+
+def record_prompt_logprobs(llm, logits, spans):
+    """logits (rows, vocab): one row per prompt position in spans = [(seq, first position, count)]."""
+    targets = [t for seq, first, num in spans for t in seq.token_ids[first + 1 : first + 1 + num]]
+    k = max(seq.request.params.prompt_logprobs for seq, _, _ in spans)
+    lists = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+    row = 0
+    for seq, _, num in spans:
+        for _ in range(num):
+            seq.request.prompt_logprobs.append(logprob_entry(llm, lists, row, targets[row], seq.request.params.prompt_logprobs))
+            row += 1
+
+
+def logprob_entry(llm, lists, row, token_id, k):
+    """{token id: Logprob}: the chosen token first, then the k best (it may be one of them)."""
+    chosen, ranks, top_values, top_ids = lists
+    entry = {token_id: Logprob(chosen[row], ranks[row], token_text(llm, token_id))}
+    for rank, (lp, tid) in enumerate(zip(top_values[row][:k], top_ids[row][:k]), start=1):
+        entry.setdefault(tid, Logprob(lp, rank, token_text(llm, tid)))
+    return entry
+
+
+def token_text(llm, token_id):
+    text = llm.token_texts.get(token_id)  # each token id is decoded once, not once per step
+    if text is None:
+        text = llm.token_texts[token_id] = llm.tokenizer.decode([token_id])
+    return text
 
 
 # ---- Structured outputs ----
@@ -1425,566 +1890,79 @@ class BeamGroup:
             for i, c in enumerate(self.hypotheses)
         ]
 
-
-# ---- Engine ----
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    peak_blocks_in_use: int = 0
-    kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
-
-
-class BlockTables:
-    """The block tables of the running sequences, kept in one persistent host tensor
-    (pinned on CUDA): each running sequence owns a row, each step writes only the block
-    ids that changed (new blocks, a copy-on-write replacement), and the batch's rows are
-    gathered with one index op. No per-step rebuild from nested lists."""
-
-    def __init__(self, num_rows, max_blocks_per_seq, device):
-        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
-        self.free_rows = list(range(num_rows))
-        self.row_of = {}  # running sequence -> its row
-
-    def rows(self, seqs, block_size):
-        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
-        for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
-            self.free_rows.append(self.row_of.pop(seq))
-        rows = []
-        for seq in seqs:
-            if seq not in self.row_of:
-                self.row_of[seq], seq.num_synced_blocks = self.free_rows.pop(), 0
-            row = self.row_of[seq]
-            first = seq.num_synced_blocks  # new blocks, or a block swapped by copy-on-write (_allocate_slots)
-            if first < len(seq.block_ids):
-                self.table[row, first : len(seq.block_ids)] = torch.tensor(seq.block_ids[first:], dtype=torch.int32)
-            seq.num_synced_blocks = len(seq.block_ids)
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.int64)
+def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm=False) -> list[BeamSearchOutput]:
+    """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first, found as HF
+    transformers' beam search finds them. The beam groups run through the same step loop as generate
+    (add_request and generate also take a BeamSearchParams)."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    return [
+        BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason) for c in o.outputs])
+        for o in outputs
+    ]
 
 
-class LLM:
-    """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
-    can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
-
-    def __init__(self, model=None, **engine_config):
-        self.config = EngineConfig(model=model, **engine_config)
-        self.device = torch.device(self.config.device)
-        path = self.config.model or default_model_path()
-        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len)
-        self.eos_token_ids = self._eos_token_ids(path)
-        self.kv_pool, num_blocks = self._allocate_kv_cache()
-        self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
-        self.allocator = BlockAllocator(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.allocator)
-        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size), self.device)
-        self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
-        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        self.request_counter = itertools.count()
-        self.seq_counter = itertools.count()
-        self.stats = EngineStats()
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        freeze_gc_heap()  # no full-heap GC scans inside the step loop (see there)
-
-    def _set_max_model_len(self, hf_config, model_config):
-        """Runs on the model's config, before its weights load."""
-        limit = model_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            limit = min(limit, window)  # no sliding-window attention here: stay inside the window, where it is exact
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} tokens")
-        self.max_model_len = self.config.max_model_len or limit
-
-    def _eos_token_ids(self, path):
-        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None))}
-        gen_config = os.path.join(path, "generation_config.json")
-        if os.path.isdir(path) and os.path.exists(gen_config):
-            with open(gen_config) as f:
-                ids.update(_as_list(json.load(f).get("eos_token_id")))
-        return {i for i in ids if i is not None}
-
-    def _allocate_kv_cache(self):
-        cfg, c = self.model_config, self.config
-        bytes_per_block = 2 * cfg.num_layers * c.block_size * cfg.num_kv_heads * cfg.head_dim * c.torch_dtype.itemsize
-        if c.num_kv_blocks is not None:
-            num_blocks = c.num_kv_blocks
+def step_beams(llm, sampled_seqs, logits):
+    """The hook in LLM.step: beam groups take their logits rows out of the step's sampled rows; a
+    group steps once every live beam has its row. Returns (final outputs of the groups that ended,
+    the other sampled sequences, their logits rows)."""
+    keep, groups = [], {}
+    for row, seq in enumerate(sampled_seqs):
+        if seq.request.beam is None:
+            keep.append(row)
         else:
-            num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
-        # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
-        # so that a copy-on-write of block src -> dst is one indexing op over all layers
-        kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
-        return kv_pool, num_blocks
-
-    def _kv_cache_budget(self):
-        if self.device.type == "cpu":
-            return CPU_KV_CACHE_BYTES
-        cfg, c = self.model_config, self.config
-        torch.cuda.empty_cache()  # memory freed while loading is reserved by torch's allocator, not used
-        free, total = torch.cuda.mem_get_info(self.device)
-        # activations of the largest step: a handful of (tokens, hidden / intermediate) tensors, plus fp32 logits
-        activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
-        return int(total * c.gpu_memory_utilization) - (total - free) - activations
-
-    # -- requests in --
-
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
-        """Queue one request; it joins the running batch at the next step. Returns its id.
-        Raises ValueError (naming the problem) for input that can never run."""
-        return self._enqueue(*self._validate(prompt, params), request_id)
-
-    def _validate(self, prompt, params, **change):
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
-        # a copy (its lists too), as vLLM: the caller may reuse or change theirs (beam groups give only final outputs)
-        params = dataclasses.replace(params, **change) if isinstance(params, SamplingParams) else dataclasses.replace(params)
-        text, token_ids = self._tokenize(prompt)
-        self._check_fits(token_ids, params)
-        self.structured_outputs.compile(getattr(params, "structured_outputs", None))  # a constraint that does not compile fails here, not mid-run
-        return text, token_ids, params
-
-    def _enqueue(self, text, token_ids, params, request_id=None):
-        if request_id is None:  # the next number no request holds (add_request may have taken "7" by hand)
-            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests)
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        beam = None
-        if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width seats; the group does the rest
-            beam = BeamGroup(params, frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-            params = params.sampling_params()
-        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()), beam=beam)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
-        seq = self._new_seq(request, list(token_ids), index=0)
-        self.requests[request_id] = request
-        self.scheduler.add(seq)
-        return request_id
-
-    def chat_prompt(self, messages):
-        """A chat rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
-        The template already holds BOS where the model wants one: tokenize without adding it again."""
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
-            raise ValueError(f"the chat template rejected the messages: {e}") from None
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-
-    def _tokenize(self, prompt):
-        """(text or None, token ids) of a string, a list of token ids, or vLLM's dict form."""
-        if isinstance(prompt, dict):  # {"prompt": text} and/or {"prompt_token_ids": [...]}
-            if prompt.get("prompt_token_ids") is not None:
-                return prompt.get("prompt"), self._tokenize(prompt["prompt_token_ids"])[1]
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise ValueError("prompt_token_ids is empty")
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-    def _check_fits(self, token_ids, params):
-        # a beam group alone must fit the pool even when its beams share nothing (and after a preemption they share nothing)
-        num_beams = params.beam_width if isinstance(params, BeamSearchParams) else 1
-        if num_beams > 1 and 2 * num_beams > self.model_config.vocab_size:
-            raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {self.model_config.vocab_size}")
-        params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} (the prompt and at least one output token must fit)")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
-        max_len = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
-        blocks = -(-max_len // self.config.block_size) * num_beams
-        if blocks > self.allocator.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {self.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
-
-    def _new_seq(self, request, token_ids, index):
-        seed = request.params.seed
-        # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
-        generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
-        seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
-        seq.matcher = self.structured_outputs.new_matcher(request.params.structured_outputs)  # a fork starts before its first token: a fresh one
-        request.seqs.append(seq)
-        return seq
-
-    def _fork(self, parent, index):
-        child = self._new_seq(parent.request, list(parent.token_ids), index)
-        child.status, child.num_computed_tokens = RUNNING, parent.num_computed_tokens
-        child.block_ids, child.block_hashes = list(parent.block_ids), list(parent.block_hashes)
-        return child
-
-    def abort_request(self, request_id):
-        """Stop a request now (finish_reason "abort") and free its blocks."""
-        request = self.requests.get(str(request_id))
-        if request is None:
-            return
-        for seq in request.seqs:
-            if seq.status != FINISHED:
-                seq.finish_reason = "abort"
-                self._finish_text(seq)
-                self.scheduler.finish(seq)
-        self.aborted.append(request)
-
-    def reset_prefix_cache(self):
-        """Empty the prefix cache (as vLLM's): later requests recompute every prompt block."""
-        self.allocator.reset_cache()
-
-    def has_unfinished_requests(self):
-        return self.scheduler.has_unfinished() or bool(self.aborted)  # an abort's final output is still to come
-
-    # -- one step --
-
-    @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once over the packed batch, sample, and return an
-        output for every request that got a token (or finished) in this step."""
-        batch = self.scheduler.schedule()
-        self._record_stats(batch)
-        if not batch.seqs:
-            return self._collect_aborted()
-        for src, dst in batch.block_copies:  # copy-on-write, over every layer's K and V
-            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
-        input_ids, positions, meta, sampled_seqs, prompt_spans = self._prepare_inputs(batch)
-        logits = self.model(input_ids, positions, self.layer_caches, meta)  # (num_sampled + prompt-logprob rows, vocab)
-        self.scheduler.mark_computed(batch)
-        if prompt_spans:
-            self._record_prompt_logprobs(logits[len(sampled_seqs) :], prompt_spans)
-            logits = logits[: len(sampled_seqs)]
-        beam_outputs, sampled_seqs, logits = self._step_beams(sampled_seqs, logits)  # beam groups take their rows out
-        # a request with n > 1 forks right after its prompt is prefilled; every sample gets the prompt's logits row
-        seqs = sampled_seqs
-        if not all(seq.request.forked for seq in sampled_seqs):
-            rows, seqs = [], []
-            for row, seq in enumerate(sampled_seqs):
-                family = [seq]
-                if not seq.request.forked:
-                    family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
-                rows += [row] * len(family)
-                seqs += family
-            logits = logits[rows]  # (num_samples, vocab)
-        sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
-        logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
-        # logprobs are the model's own (vLLM's default): taken before grammar masks, penalties, bias and temperature
-        raw = logits.clone() if sb.max_logprobs is not None else logits
-        apply_grammar_masks(logits, seqs)
-        token_ids = sample(apply_penalties(logits, seqs, self.eos_token_ids), sb, self.generator)  # (num_samples,)
-        logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
-        return beam_outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)
-
-    def _prepare_inputs(self, batch: ScheduledBatch):
-        """The flat token batch and its BatchMetadata, copied to the device once.
-        Returns (input_ids, positions, meta, the sequences that sample, prompt-logprob spans).
-        Logits rows: first one per sampling sequence (its last token), then, for requests
-        that want prompt logprobs, one per prompt position computed in this step."""
-        bs = self.config.block_size
-        input_ids, seq_lens, sample_rows, sampled, prompt_rows, prompt_spans = [], [], [], [], [], []
-        start = 0
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            first, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[first:end]
-            seq_lens.append(end)
-            if end == len(seq.token_ids):  # the prompt (or chunk) reaches the end: this row samples the next token
-                sample_rows.append(start + num_new - 1)
-                sampled.append(seq)
-            if seq.request.prompt_logprobs is not None:
-                # position p's logits score prompt token p + 1; positions already scored (before a preemption) are skipped
-                lo, hi = max(first, len(seq.request.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)
-                if hi > lo:
-                    prompt_rows += range(start + lo - first, start + hi - first)
-                    prompt_spans.append((seq, lo, hi - lo))
-            start += num_new
-        # positions and cache slots, vectorised over the batch's tokens
-        num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
-        seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
-        starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
-        positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
-        rows = self.block_tables.rows(batch.seqs, bs)  # (num_seqs,)
-        max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
-        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
-
-        def on_device(t):
-            return t.to(self.device, non_blocking=True)
-
-        meta = BatchMetadata(
-            query_start_loc=on_device(starts),
-            seq_lens=on_device(seq_lens),
-            slot_mapping=on_device(slots),
-            block_tables=on_device(block_tables),
-            logits_indices=on_device(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
-        )
-        return on_device(torch.tensor(input_ids)), on_device(positions), meta, sampled, prompt_spans
-
-    def _record_prompt_logprobs(self, logits, spans):
-        """logits (rows, vocab): one row per prompt position in spans = [(seq, first position, count)]."""
-        targets = [t for seq, first, num in spans for t in seq.token_ids[first + 1 : first + 1 + num]]
-        k = max(seq.request.params.prompt_logprobs for seq, _, _ in spans)
-        lists = compute_logprobs(logits, torch.tensor(targets, device=logits.device), k)
-        row = 0
-        for seq, _, num in spans:
-            for _ in range(num):
-                seq.request.prompt_logprobs.append(self._logprob_entry(lists, row, targets[row], seq.request.params.prompt_logprobs))
-                row += 1
-
-    def _logprob_entry(self, lists, row, token_id, k):
-        """{token id: Logprob}: the chosen token first, then the k best (it may be one of them)."""
-        chosen, ranks, top_values, top_ids = lists
-        entry = {token_id: Logprob(chosen[row], ranks[row], self._token_text(token_id))}
-        for rank, (lp, tid) in enumerate(zip(top_values[row][:k], top_ids[row][:k]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
-        return entry
-
-    def _token_text(self, token_id):
-        text = self.token_texts.get(token_id)
-        if text is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _append_tokens(self, seqs, token_ids, logprobs):
-        now = time.perf_counter()
-        touched = {}  # requests that may have an output: every cumulative one, a final_only one when a sample ends
-        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-            seq.token_ids.append(token_id)
-            params = seq.request.params
-            advance_grammar(seq, token_id)
-            if seq.output_counts is not None:  # penalties: counts kept incrementally
-                seq.output_counts[token_id] += 1
-            if logprobs is not None and params.logprobs is not None:
-                entry = self._logprob_entry(logprobs, row, token_id, params.logprobs)
-                seq.logprobs = seq.logprobs if seq.logprobs is not None else []
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token_id].logprob
-            num_chars = len(seq.text)
-            if params.text_each_step:
-                self._detokenize(seq, token_id)
-            self._check_stop(seq, token_id, num_chars)
-            if seq.finish_reason is not None:
-                self._finish_text(seq)
-                self.scheduler.finish(seq)
-            request = seq.request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if params.output_kind != "final_only" or seq.finish_reason is not None:
-                touched[request.request_id] = request
-        self.stats.num_output_tokens += len(token_ids)
-        outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
-        return outputs + self._collect_aborted()
-
-    def _detokenize(self, seq, token_id=None, flush=False):
-        """Incremental detokenization with the tokenizers library's DecodeStream: each token
-        costs O(1), the text grows by whole characters and equals a decode of all output
-        tokens (a SentencePiece tokenizer drops the first output token's leading space, as
-        decoding the output tokens alone does). flush: the tokens not yet in the text are
-        decoded in one call: a character still cut in the middle at the end comes out as the
-        replacement character, as a plain decode gives it; for a request whose text nobody
-        reads before it ends (not text_each_step), that is every output token, decoded once."""
-        if flush:
-            if seq.num_detokenized < seq.num_output_tokens:
-                rest = seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :]
-                seq.text += self.tokenizer.decode(rest, skip_special_tokens=seq.request.params.skip_special_tokens)
-                seq.num_detokenized = seq.num_output_tokens
-            return
-        if seq.detokenizer is None:
-            from tokenizers.decoders import DecodeStream
-
-            seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
-        piece = seq.detokenizer.step(self.tokenizer.backend_tokenizer, token_id)
-        if piece is not None:
-            seq.text += piece
-            seq.num_detokenized = seq.num_output_tokens
-
-    def _finish_text(self, seq):
-        if not isinstance(seq.stop_reason, str):  # (a stop string already cut the text where it ends)
-            self._detokenize(seq, flush=True)
-
-    def _check_stop(self, seq, token_id, num_chars_before):
-        params = seq.request.params
-        num_output = seq.num_output_tokens
-        may_stop = num_output >= params.min_tokens  # before min_tokens only the length limit ends it
-        if may_stop and token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif grammar_terminated(seq):
-            seq.finish_reason = "stop"
-        elif may_stop and params.stop and self._truncate_at_stop_string(seq, num_chars_before):
-            seq.finish_reason = "stop"
-        elif num_output >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _truncate_at_stop_string(seq, num_chars_before):
-        # a stop string can only end in the new characters: search from len(stop) - 1 before them
-        params = seq.request.params
-        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
-        if not hits:
-            return False
-        at, seq.stop_reason = min(hits)
-        seq.text = seq.text[: at + len(seq.stop_reason) if params.include_stop_str_in_output else at]
-        return True
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        finished = request.finished()
-        if finished:
-            request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
-            del self.requests[request.request_id]  # it ends exactly once: no later output
-        # a snapshot: the lists are copied (callers and server threads may keep it while the engine runs on)
-        completions = [
-            CompletionOutput(
-                s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
-                list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob if s.logprobs is not None else None,
-            )
-            for s in request.seqs
-        ]
-        prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
-
-    def _collect_aborted(self):
-        """Aborted requests end exactly once: their final output comes out of the next step."""
-        done = [self._make_output(r) for r in self.aborted if r.request_id in self.requests]
-        self.aborted.clear()
-        return done
-
-    def _record_stats(self, batch):
-        s = self.stats
-        s.num_steps += 1
-        s.num_preemptions += batch.num_preempted
-        in_use = self.allocator.num_blocks - self.allocator.num_free_blocks
-        if in_use > s.peak_blocks_in_use:
-            s.peak_blocks_in_use = in_use
-            s.kv_utilization_at_peak = self.allocator.num_filled_slots / (in_use * self.config.block_size)
-
-    # -- the offline API --
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order.
-        prompts: a string, a list of strings, or a list of token-id lists. (Requests queued
-        earlier with add_request run along, but their outputs are not returned here.)"""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts) if prompts is not None else []
-        if not prompts:
-            raise ValueError("no prompts given")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        validated = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):  # check everything before queueing anything
-            try:
-                validated.append(self._validate(prompt, p, output_kind="final_only"))  # only final outputs: no per-step copies
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids, finished = [], {}
-        bar = None
-        try:
-            for v in validated:
-                ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
-            bar = _GenerateProgress(self, ids, validated) if use_tqdm else None
-            while self.has_unfinished_requests():
-                outputs = self.step()
-                for out in outputs:
-                    finished[out.request_id] = out
-                if bar is not None:
-                    bar.update(outputs)
-        except BaseException:
-            for request_id in ids:  # a failed or interrupted run leaves nothing behind
-                self.abort_request(request_id)
-            self._collect_aborted()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [finished[i] for i in ids]
-
-    # -- beam search --
-
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm=False) -> list[BeamSearchOutput]:
-        """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first, found
-        as HF transformers' beam search finds them. The beam groups run through the same
-        step loop as generate (add_request and generate also take a BeamSearchParams)."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
-        return [
-            BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob, c.finish_reason) for c in o.outputs])
-            for o in outputs
-        ]
-
-    def _step_beams(self, sampled_seqs, logits):
-        """Beam groups take their logits rows out of the step's sampled rows; a group steps once
-        every live beam has its row. Returns (final outputs of the groups that ended, the other
-        sampled sequences, their logits rows)."""
-        keep, groups = [], {}
-        for row, seq in enumerate(sampled_seqs):
-            if seq.request.beam is None:
-                keep.append(row)
-            else:
-                seq.request.beam.rows[seq] = logits[row].clone()  # a group may wait for its other beams past this step
-                groups[seq.request] = None
-        if not groups:
-            return [], sampled_seqs, logits
-        outputs = [self._advance_beams(r) for r in groups if r.beam.ready(r.seqs)]
-        return [o for o in outputs if o is not None], [sampled_seqs[i] for i in keep], logits[keep]
-
-    def _advance_beams(self, request):
-        """One beam search step of a group: keep the best continuations and re-point the beams
-        onto them, or end the search and return the group's final output."""
-        group, beams = request.beam, request.seqs
-        num_output = len(beams[0].output_token_ids) + 1  # after this step
-        at_limit = num_output >= group.params.max_tokens or len(beams[0].token_ids) + 1 >= self.max_model_len
-        running = group.select(beams, at_limit)
-        if running is None:
-            return self._finish_beams(request)
-        if not request.forked:  # after the prefill: beam_width beams, all on the prompt's blocks
-            beams = beams + self.scheduler.fork(beams[0], group.params.beam_width - 1, self._fork)
-        # read every parent before re-pointing anyone: a beam may continue one re-pointed before it
-        states = [(c.parent.token_ids + [c.token_id], list(c.parent.block_ids), list(c.parent.block_hashes), c.parent.num_computed_tokens, c.cum_logprob) for c in running]
-        for seq, (token_ids, block_ids, block_hashes, num_computed, cum_logprob) in zip(beams, states):
-            seq.token_ids, seq.block_hashes, seq.num_computed_tokens, seq.cumulative_logprob = token_ids, block_hashes, num_computed, cum_logprob
-            self.scheduler.repoint(seq, block_ids)
-        return None
-
-    def _finish_beams(self, request):
-        for seq in request.seqs:  # the live beams: their blocks go back, the hypotheses are the output
-            self.scheduler.finish(seq)
-        del self.requests[request.request_id]  # it ends exactly once
-        now = time.perf_counter()
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.finished_time = now
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        completions = request.beam.completions(len(request.prompt_token_ids), decode)
-        self.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)
+            seq.request.beam.rows[seq] = logits[row].clone()  # a group may wait for its other beams past this step
+            groups[seq.request] = None
+    if not groups:
+        return [], sampled_seqs, logits
+    outputs = [advance_beams(llm, r) for r in groups if r.beam.ready(r.seqs)]
+    return [o for o in outputs if o is not None], [sampled_seqs[i] for i in keep], logits[keep]
 
 
-def freeze_gc_heap():
-    """The step loop allocates every step (outputs, token lists), so Python's cyclic GC runs often, and a full
-    collection walks every object it tracks: after loading torch, transformers, a model and its tokenizer, over
-    a third of a million, a 180-280 ms stall inside one step (measured). Freeze them, as vLLM does: they stay,
-    and the collector skips them from now on. (Objects that are freed by reference counting, as an LLM is,
-    still go at once.) At exit they are unfrozen, so that the interpreter's last collection still sees them."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # (registered once, however many engines are made)
-    atexit.register(gc.unfreeze)
+def advance_beams(llm, request):
+    """One beam search step of a group: keep the best continuations and re-point the beams onto
+    them (the fork and copy-on-write machinery of n > 1), or end the search and return its output."""
+    group, beams = request.beam, request.seqs
+    num_output = len(beams[0].output_token_ids) + 1  # after this step
+    at_limit = num_output >= group.params.max_tokens or len(beams[0].token_ids) + 1 >= llm.max_model_len
+    running = group.select(beams, at_limit)
+    if running is None:
+        return finish_beams(llm, request)
+    if not request.forked:  # after the prefill: beam_width beams, all on the prompt's blocks
+        beams = beams + llm.scheduler.fork(beams[0], group.params.beam_width - 1, llm._fork)
+    # read every parent before re-pointing anyone: a beam may continue one re-pointed before it
+    states = [(c.parent.token_ids + [c.token_id], list(c.parent.block_ids), list(c.parent.block_hashes), c.parent.num_computed_tokens, c.cum_logprob) for c in running]
+    for seq, (token_ids, block_ids, block_hashes, num_computed, cum_logprob) in zip(beams, states):
+        seq.token_ids, seq.block_hashes, seq.num_computed_tokens, seq.cumulative_logprob = token_ids, block_hashes, num_computed, cum_logprob
+        repoint(llm.scheduler, seq, block_ids)
+    return None
 
 
-def _as_list(x):
-    return x if isinstance(x, (list, tuple)) else [x]
+def repoint(scheduler, seq, block_ids):
+    """Give seq another block table (a beam taking over another beam's history). The new
+    blocks are shared before the old ones are freed: a block both hold stays put, a block
+    nobody holds any more goes back to the pool at once."""
+    for block_id in block_ids:
+        scheduler.allocator.share(block_id)
+    scheduler.allocator.free(seq.block_ids)
+    seq.block_ids = list(block_ids)
+
+
+def finish_beams(llm, request):
+    for seq in request.seqs:  # the live beams: their blocks go back, the hypotheses are the output
+        llm.scheduler.finish(seq)
+    del llm.requests[request.request_id]  # it ends exactly once
+    now = time.perf_counter()
+    request.metrics.first_token_time = request.metrics.first_token_time or now
+    request.metrics.finished_time = now
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    completions = request.beam.completions(len(request.prompt_token_ids), decode)
+    llm.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)
+
+
+# ---- Progress bar ----
 
 
 class _GenerateProgress:

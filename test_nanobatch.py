@@ -547,7 +547,7 @@ def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, 
         where = torch.randint(0, rows * vocab, (6,), generator=g)
         logits.view(-1)[where] = torch.tensor([float("-inf"), float("inf"), float("nan"), -float("nan"), -0.0, 0.0], dtype=dtype)
     want = logits.float().argmax(dim=-1)
-    assert torch.equal(nanobatch.greedy_tokens(logits, chunk, loops=False), want)
+    assert torch.equal(kernels.greedy_tokens(logits, chunk, loops=False), want)
     if dtype == torch.bfloat16 and kernels.argmax_rows(logits) is not None:
         assert torch.equal(kernels.argmax_rows(logits), want)
 
@@ -1807,7 +1807,7 @@ def test_nucleus_rejection_keeps_only_the_nucleus(seed, top_p, min_p):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(6, 40, generator=gen) * 3
     p, m = torch.full((6,), top_p), torch.full((6,), min_p)
-    tokens = nanobatch._sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen))
+    tokens = kernels.sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best)
     for row in range(6):
         assert not clearly_excluded(x[row], 1.0, 0, top_p, min_p)[tokens[row]]
 
@@ -2303,7 +2303,7 @@ def test_engine_freezes_the_loaded_heap_out_of_the_gc(tiny_models):
 
 def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(nanobatch, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
         assert EngineConfig(device="cpu").dtype == expected
     assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"  # an explicit dtype is kept
 
@@ -2325,13 +2325,13 @@ def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family
     so the greedy tokens and their logprobs, equal plain F.linear's exactly (bias included)."""
     path = tiny_models[family][0]
     packed = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
-    linears = [m for m in packed.model.modules() if isinstance(m, nanobatch.Linear)]
+    linears = [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears[0].weight.is_mkldnn:
         pytest.skip("this torch has no oneDNN bf16 packing (pack_for_cpu warned and kept F.linear)")
     assert all(m.weight.is_mkldnn for m in linears)
-    monkeypatch.setattr(nanobatch, "pack_for_cpu", lambda model: None)
+    monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)
     plain = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
-    for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, nanobatch.Linear)]):
+    for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, torch.nn.Linear)]):
         x = torch.randn(5, a.in_features, dtype=torch.bfloat16)
         assert not b.weight.is_mkldnn and torch.equal(a(x), b(x))
     params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
