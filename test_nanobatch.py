@@ -30,6 +30,7 @@ import types
 import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+import re
 
 import pytest
 import torch
@@ -43,14 +44,17 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import kernels
 import nanobatch
 import transformers
-from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
+from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, StructuredOutputsParams, BeamSearchParams
 from server import VERSION, start_server  # names, not the module: `server` is the fixture below
+from server import structured_outputs_from_request
+
+
+# ---- Fixtures and shared helpers ----
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CPU = dict(device="cpu", dtype="float32")  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
-
-# ---- Fixtures: models ----
 
 
 @pytest.fixture(scope="session")
@@ -168,121 +172,108 @@ def passage_prompts(tokenizer, lengths):
     return [ids[i % 7 : i % 7 + n] for i, n in enumerate(lengths)]
 
 
-# ---- Engine: token-for-token equality with HF transformers ----
-
-MIXED_LENGTHS = [5, 9, 13, 21, 30, 42, 57, 64, 77, 96, 120, 150, 190, 233, 280, 321]
-
-
-def test_default_model_matches_hf_transformers(default_llm, default_hf):
-    """16 prompts of 5..321 tokens in one generate call == HF greedy generate of each alone (fp32, 32 tokens, EOS ignored)."""
-    model, tokenizer = default_hf
-    prompts = passage_prompts(tokenizer, MIXED_LENGTHS)
-    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=32, **GREEDY), use_tqdm=False)
-    assert [o.prompt_token_ids for o in outputs] == prompts  # input order
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)} tokens"
-        assert out.finished and out.outputs[0].finish_reason == "length"
-    assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
+def hf_logprobs(model, token_ids):
+    """HF transformers' log-softmax at every position of token_ids, fp32: (len, vocab)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
 
-def test_text_prompts_and_detokenization(default_llm, default_hf):
-    model, tokenizer = default_hf
-    prompts = ["Hello, my name is", "The capital of France is", "The future of AI is"]
-    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out.prompt == prompt and out.prompt_token_ids == tokenizer.encode(prompt)
-        completion = out.outputs[0]
-        assert completion.token_ids == hf_greedy(model, out.prompt_token_ids, 20)
-        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+# ---- Config and dtype ----
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_tiny_models_match_hf_transformers(tiny_models, family):
-    folder, model = tiny_models[family]
-    llm = LLM(model=folder, num_kv_blocks=128, block_size=8, **CPU)
-    rng = random.Random(family)
-    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 17, 40, 95, 150)]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24), f"{family}, prompt of {len(prompt)} tokens"
+def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
+        assert EngineConfig(device="cpu").dtype == expected
+    assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"  # an explicit dtype is kept
 
 
-# ---- Engine: preemption, prefix caching, chunked prefill ----
+def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
+    """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
+    llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
+    assert llm.kv_pool.dtype == torch.bfloat16 and llm.model.lm_head.weight.dtype == torch.bfloat16
+    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is"]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in folder_llm.generate(prompts, params, use_tqdm=False)]
+    assert [g[0] for g in got] == [w[0] for w in want]
 
 
-@pytest.fixture(scope="session")
-def reference_outputs(folder_llm, default_hf):
-    """Greedy outputs of a workload with a shared 100-token prefix, repeats and long prompts, run with a roomy pool."""
-    tokenizer = default_hf[1]
-    system = tokenizer.encode(PASSAGE)[:100]
-    questions = passage_prompts(tokenizer, [5, 11, 23, 40, 64, 3, 130, 200])
-    prompts = [system + q for q in questions[:4]] + questions[4:] + [system + questions[0], system[:64]]
-    outputs = folder_llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
-    return prompts, [o.outputs[0].token_ids for o in outputs]
+# ---- Sampling parameters ----
 
 
-def run_workload(llm, prompts):
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
-    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks, "every block is back in the pool"
-    assert all(r == 0 for r in llm.allocator.ref_counts)
-    return [o.outputs[0].token_ids for o in outputs], outputs
+def test_changing_params_after_submission_changes_nothing(tiny_llm):
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    expected = tiny_llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
+    rid = tiny_llm.add_request([3, 4, 5], params)
+    params.max_tokens, params.stop_token_ids[:] = 1, [expected[0]]  # the caller reuses their object
+    params.stop_token_ids.append(expected[1])
+    outputs = {}
+    while tiny_llm.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in tiny_llm.step()})
+    assert outputs[rid].outputs[0].token_ids == expected
 
 
-def test_reference_workload_matches_hf(reference_outputs, default_hf):
-    prompts, expected = reference_outputs
-    for prompt, tokens in zip(prompts[:3], expected[:3]):
-        assert tokens == hf_greedy(default_hf[0], prompt, 24)
+# ---- Requests and sequences: stop conditions, detokenization ----
 
 
-def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
-    prompts, expected = reference_outputs
-    # 15 blocks of 16 tokens: the longest request (224 tokens) fits alone, but not next to others
-    llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False, **CPU)
-    tokens, _ = run_workload(llm, prompts)
-    assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
-    assert tokens == expected
+def test_stop_strings_and_stop_token_ids(folder_llm):
+    prompt = "The capital of France is"
+    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:14]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop, "never appears"], **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.find(stop)], "the text ends right before the stop string"
+    stop_id = full.token_ids[5]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 
-def test_preemption_with_prefix_caching(default_folder, reference_outputs):
-    prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, num_kv_blocks=16, **CPU)
-    tokens, _ = run_workload(llm, prompts)
-    assert llm.stats.num_preemptions > 0
-    assert tokens == expected
+def test_eos_ends_the_output(tiny_llm):
+    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    eos_as = greedy[3]
+    tiny_llm.eos_token_ids.add(eos_as)  # pretend the 4th greedy token is the model's EOS
+    try:
+        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    finally:
+        tiny_llm.eos_token_ids.discard(eos_as)
+    assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(eos_as) + 1]
 
 
-@pytest.mark.parametrize("prefix_caching,max_num_batched_tokens", [(True, 7), (True, 64), (False, 64), (False, 2048)])
-def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, reference_outputs, prefix_caching, max_num_batched_tokens):
-    """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
-    (The reference itself ran with caching on and a budget of 2048.)"""
-    prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=min(256, max_num_batched_tokens), **CPU)  # the budget must cover one token per running sequence
-    original_schedule = llm.scheduler.schedule
-    step_tokens = []
+def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm):
+    """A final_only request without stop strings is detokenized once, when it ends (or is aborted):
+    its text equals the incremental detokenizer's text of the same tokens streamed as cumulative
+    outputs, and a plain decode of its tokens, special tokens skipped or kept. High-temperature
+    sampling makes tokens that cut characters in the middle."""
+    def last_output(params, num_steps=None):
+        request_id = folder_llm.add_request("Write something odd:", params)
+        outputs, steps = [], 0
+        while folder_llm.has_unfinished_requests():
+            outputs += [o for o in folder_llm.step() if o.request_id == request_id]
+            steps += 1
+            if steps == num_steps:
+                folder_llm.abort_request(request_id)
+        return outputs[-1].outputs[0], len(outputs)
 
-    def schedule():
-        batch = original_schedule()
-        step_tokens.append(batch.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = schedule
-    tokens, outputs = run_workload(llm, prompts)
-    assert tokens == expected
-    if prefix_caching:  # again: now every prompt's full blocks are in the cache
-        tokens, outputs = run_workload(llm, prompts)
-        assert tokens == expected
-    assert max(step_tokens) <= max_num_batched_tokens
-    for prompt, out in zip(prompts, outputs):  # all blocks but the one holding the last token come from the cache
-        assert out.num_cached_tokens == ((len(prompt) - 1) // 16 * 16 if prefix_caching else 0)
+    for skip in (True, False):
+        params = SamplingParams(temperature=1.6, seed=11, max_tokens=48, ignore_eos=True, skip_special_tokens=skip)
+        streamed, num_streamed = last_output(params)
+        final, num_final = last_output(dataclasses.replace(params, output_kind="final_only"))
+        assert num_streamed == 48 and num_final == 1, "cumulative: one output per token; final_only: one in all"
+        assert final.token_ids == streamed.token_ids and final.text == streamed.text
+        assert final.text == folder_llm.tokenizer.decode(final.token_ids, skip_special_tokens=skip)
+    aborted, _ = last_output(dataclasses.replace(params, output_kind="final_only"), num_steps=6)
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 48
+    assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False)
 
 
-def test_fully_cached_prompt_still_computes_its_last_token(folder_llm):
-    prompt = list(range(1000, 1064))  # exactly 4 full blocks
-    first = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
-    again = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
-    assert again.num_cached_tokens == 48  # 3 blocks from the cache; the last block is computed for its logits
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+def test_include_stop_str_in_output(folder_llm):
+    prompt = "The capital of France is"
+    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:14]
+    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.find(stop) + len(stop)] and out.stop_reason == stop
 
 
 # ---- Block allocator: stateful test ----
@@ -357,7 +348,7 @@ TestAllocator = AllocatorMachine.TestCase
 TestAllocator.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
-# ---- Scheduler: property test without a model ----
+# ---- Scheduler: properties, admission, prefix-cache keys, token budgets ----
 
 
 def run_scheduler(config, arrivals, block_size, num_blocks):
@@ -481,7 +472,292 @@ def test_request_added_mid_run_joins_next_step(tiny_llm):
         llm.step()
 
 
-# ---- Sampler ----
+def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_hf, monkeypatch):
+    """Every first block gets the same key. A prompt after B0 + Y1 and A0 + X1 that reads B0 + X1 may
+    share B's first block (same tokens, a true hit) but never A's X1 block, computed after A0."""
+    real_hash = BlockAllocator.hash_block
+    monkeypatch.setattr(BlockAllocator, "hash_block", staticmethod(lambda parent, tokens: b"collide" if parent is None else real_hash(parent, tokens)))
+    ids = default_hf[1].encode(PASSAGE)
+    b0, y1, a0, x1, tail = ids[0:16], ids[16:32], ids[100:116], ids[200:216], ids[230:233]
+    assert len(x1) == 16 and len(tail) == 3  # prompts of 35 tokens: two full blocks could come from the cache
+    folder_llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    try:
+        outs = [folder_llm.generate([p], params, use_tqdm=False)[0] for p in (b0 + y1 + tail, a0 + x1 + tail, b0 + x1 + tail)]
+    finally:
+        folder_llm.reset_prefix_cache()  # no colliding keys left behind for later tests
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]  # A's first block collides but its tokens differ: no hit
+    assert outs[2].outputs[0].token_ids == hf_greedy(default_hf[0], b0 + x1 + tail, 8)
+
+
+def test_hash_block_is_a_sha256_chain():
+    key = BlockAllocator.hash_block(None, [1, 2, 3])
+    assert len(key) == 32 and key != BlockAllocator.hash_block(None, [1, 2, 4])
+    assert BlockAllocator.hash_block(key, [5]) != BlockAllocator.hash_block(BlockAllocator.hash_block(None, [1, 2, 4]), [5])
+
+
+def test_budget_below_max_num_seqs_is_rejected():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        EngineConfig(max_num_batched_tokens=4, max_num_seqs=8, device="cpu")
+    assert EngineConfig(max_num_batched_tokens=4, max_num_seqs=4, device="cpu").max_num_seqs == 4
+
+
+def test_smallest_budget_serves_every_sample_every_step(tiny_models):
+    """max_num_batched_tokens == max_num_seqs == n: after the prefill every sample gains a token each step."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_num_seqs=4, max_num_batched_tokens=4, num_kv_blocks=32, **CPU)
+    llm.add_request(list(range(100, 110)), SamplingParams(n=4, max_tokens=6, **GREEDY))
+    counts = []
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            counts.append([len(c.token_ids) for c in out.outputs])
+    first = next(i for i, c in enumerate(counts) if len(c) == 4)  # the step that forked the samples
+    for before, after in zip(counts[first:], counts[first + 1 :]):
+        assert all(a == b + 1 for a, b in zip(after, before)), counts
+
+
+# ---- Model and loading: token-for-token equality with HF transformers ----
+
+
+MIXED_LENGTHS = [5, 9, 13, 21, 30, 42, 57, 64, 77, 96, 120, 150, 190, 233, 280, 321]
+
+
+def test_default_model_matches_hf_transformers(default_llm, default_hf):
+    """16 prompts of 5..321 tokens in one generate call == HF greedy generate of each alone (fp32, 32 tokens, EOS ignored)."""
+    model, tokenizer = default_hf
+    prompts = passage_prompts(tokenizer, MIXED_LENGTHS)
+    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=32, **GREEDY), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts  # input order
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)} tokens"
+        assert out.finished and out.outputs[0].finish_reason == "length"
+    assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
+
+
+def test_text_prompts_and_detokenization(default_llm, default_hf):
+    model, tokenizer = default_hf
+    prompts = ["Hello, my name is", "The capital of France is", "The future of AI is"]
+    outputs = default_llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.prompt == prompt and out.prompt_token_ids == tokenizer.encode(prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_greedy(model, out.prompt_token_ids, 20)
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_tiny_models_match_hf_transformers(tiny_models, family):
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, num_kv_blocks=128, block_size=8, **CPU)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 17, 40, 95, 150)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24), f"{family}, prompt of {len(prompt)} tokens"
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 40), heads=st.integers(1, 5), half=st.integers(1, 40), scale=st.sampled_from([0.01, 1.0, 50.0]),
+       special=st.booleans(), seed=st.integers(0, 2**16))
+def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
+    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary
+    embedding bit for bit (torch's roundings to bf16, done where torch does them), RMSNorm within two
+    ulps (its sum of squares adds in another order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
+    if kernels.rms_norm_cpu(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), 1e-6) is None:
+        pytest.skip("no numba: the model uses the torch ops")
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, heads, 2 * half, generator=g) * scale).bfloat16()
+    if special:
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor([float("inf"), -float("inf"), float("nan")]).bfloat16()
+    weight = torch.randn(2 * half, generator=g).bfloat16()
+    angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    kernels.USE_CPU_LOOPS = False  # (not monkeypatch: hypothesis reruns the body within one test call)
+    try:
+        want_rot = nanobatch.Rotary.apply(x, cos, sin)
+        want_norm = nanobatch.RMSNorm.forward(types.SimpleNamespace(weight=weight, eps=1e-6), x)
+    finally:
+        kernels.USE_CPU_LOOPS = True
+    rot = kernels.rotary_cpu(x, cos, sin)
+    assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
+    assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
+    got = kernels.rms_norm_cpu(x, weight, 1e-6)
+    assert torch.equal(got.isnan(), want_norm.isnan())
+    ok = ~got.isnan()  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
+    assert ((got.view(torch.int16)[ok].int() - want_norm.view(torch.int16)[ok].int()).abs() <= 2).all()
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
+def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family, monkeypatch):
+    """bf16 on a CPU packs every Linear's weight once into oneDNN's layout: each layer's output, and
+    so the greedy tokens and their logprobs, equal plain F.linear's exactly (bias included)."""
+    path = tiny_models[family][0]
+    packed = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
+    linears = [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears[0].weight.is_mkldnn:
+        pytest.skip("this torch has no oneDNN bf16 packing (pack_for_cpu warned and kept F.linear)")
+    assert all(m.weight.is_mkldnn for m in linears)
+    monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)
+    plain = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
+    for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, torch.nn.Linear)]):
+        x = torch.randn(5, a.in_features, dtype=torch.bfloat16)
+        assert not b.weight.is_mkldnn and torch.equal(a(x), b(x))
+    params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    prompts = [[5, 17, 99, 3], [42] * 20]
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (packed, plain))
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+# ---- Engine: preemption, prefix caching, chunked prefill, n > 1, aborts ----
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(folder_llm, default_hf):
+    """Greedy outputs of a workload with a shared 100-token prefix, repeats and long prompts, run with a roomy pool."""
+    tokenizer = default_hf[1]
+    system = tokenizer.encode(PASSAGE)[:100]
+    questions = passage_prompts(tokenizer, [5, 11, 23, 40, 64, 3, 130, 200])
+    prompts = [system + q for q in questions[:4]] + questions[4:] + [system + questions[0], system[:64]]
+    outputs = folder_llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+def run_workload(llm, prompts):
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks, "every block is back in the pool"
+    assert all(r == 0 for r in llm.allocator.ref_counts)
+    return [o.outputs[0].token_ids for o in outputs], outputs
+
+
+def test_reference_workload_matches_hf(reference_outputs, default_hf):
+    prompts, expected = reference_outputs
+    for prompt, tokens in zip(prompts[:3], expected[:3]):
+        assert tokens == hf_greedy(default_hf[0], prompt, 24)
+
+
+def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
+    prompts, expected = reference_outputs
+    # 15 blocks of 16 tokens: the longest request (224 tokens) fits alone, but not next to others
+    llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False, **CPU)
+    tokens, _ = run_workload(llm, prompts)
+    assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert tokens == expected
+
+
+def test_preemption_with_prefix_caching(default_folder, reference_outputs):
+    prompts, expected = reference_outputs
+    llm = LLM(model=default_folder, num_kv_blocks=16, **CPU)
+    tokens, _ = run_workload(llm, prompts)
+    assert llm.stats.num_preemptions > 0
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("prefix_caching,max_num_batched_tokens", [(True, 7), (True, 64), (False, 64), (False, 2048)])
+def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, reference_outputs, prefix_caching, max_num_batched_tokens):
+    """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
+    (The reference itself ran with caching on and a budget of 2048.)"""
+    prompts, expected = reference_outputs
+    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
+              max_num_seqs=min(256, max_num_batched_tokens), **CPU)  # the budget must cover one token per running sequence
+    original_schedule = llm.scheduler.schedule
+    step_tokens = []
+
+    def schedule():
+        batch = original_schedule()
+        step_tokens.append(batch.num_tokens)
+        return batch
+
+    llm.scheduler.schedule = schedule
+    tokens, outputs = run_workload(llm, prompts)
+    assert tokens == expected
+    if prefix_caching:  # again: now every prompt's full blocks are in the cache
+        tokens, outputs = run_workload(llm, prompts)
+        assert tokens == expected
+    assert max(step_tokens) <= max_num_batched_tokens
+    for prompt, out in zip(prompts, outputs):  # all blocks but the one holding the last token come from the cache
+        assert out.num_cached_tokens == ((len(prompt) - 1) // 16 * 16 if prefix_caching else 0)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(folder_llm):
+    prompt = list(range(1000, 1064))  # exactly 4 full blocks
+    first = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    again = folder_llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 48  # 3 blocks from the cache; the last block is computed for its logits
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial one, shared by the 4 samples
+    tiny_llm.stats = nanobatch.EngineStats()
+    out = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and all(len(c.token_ids) == 5 for c in out.outputs)
+    assert tiny_llm.stats.peak_blocks_in_use == 3 + 4, "3 shared full blocks + one own block per sample (4 apart would need 16)"
+    for c in out.outputs:
+        assert len(c.logprobs) == 5
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            assert next(iter(entry)) == token_id and entry[token_id].logprob <= 0
+            assert len(entry) in (2, 3)  # the sampled token plus the top 2 (it may be one of them)
+    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=1, **GREEDY), use_tqdm=False)[0].outputs[0]
+    for token_id, entry in zip(greedy.token_ids, greedy.logprobs):
+        assert entry[token_id].rank == 1
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_abort_frees_blocks_and_reports_once(tiny_llm):
+    rid = tiny_llm.add_request(list(range(40)), SamplingParams(max_tokens=50, **GREEDY))
+    tiny_llm.step()
+    tiny_llm.abort_request(rid)
+    outs = tiny_llm.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [(rid, "abort")]
+    assert not tiny_llm.has_unfinished_requests() and tiny_llm.step() == []
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
+    good = SamplingParams(max_tokens=3, **GREEDY)
+    taken = str(next(tiny_llm.request_counter) + 1)  # the id the next automatic one would get
+    tiny_llm.add_request([5, 6, 7], good, request_id=taken)
+    outs = tiny_llm.generate([[1, 2], [3, 4]], good, use_tqdm=False)  # automatic ids skip the taken one
+    assert len(outs) == 2 and taken not in [o.request_id for o in outs]
+    with pytest.raises(ValueError, match="already in use"):
+        tiny_llm.add_request([1], good, request_id="clash")
+        tiny_llm.add_request([1], good, request_id="clash")
+    tiny_llm.abort_request("clash")
+    real_step, calls = tiny_llm.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the model failed")
+        return real_step()
+
+    monkeypatch.setattr(tiny_llm, "step", failing_step)
+    with pytest.raises(RuntimeError, match="the model failed"):
+        tiny_llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+    monkeypatch.undo()
+    assert not tiny_llm.has_unfinished_requests() and not tiny_llm.requests
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_engine_freezes_the_loaded_heap_out_of_the_gc(tiny_models):
+    """Once an LLM is made, a full collection walks only what came after it (torch, transformers, the model
+    and the tokenizer are frozen: no 200 ms scan inside a step), and a dropped LLM is still freed at once."""
+    import gc
+    import weakref
+
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=16, **CPU)
+    assert gc.get_freeze_count() > 10 * len(gc.get_objects())
+    model = weakref.ref(llm.model)
+    del llm
+    assert model() is None
+
+
+def test_engine_import_loads_no_web_stack():
+    code = "import sys, nanobatch; assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
+# ---- Sampler: filters, seeds, penalties, logit_bias, min_tokens, logprobs, fast paths ----
 
 
 def clearly_excluded(logits, temperature, top_k, top_p, min_p):
@@ -552,37 +828,6 @@ def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, 
         assert torch.equal(kernels.argmax_rows(logits), want)
 
 
-@settings(max_examples=25, deadline=None)
-@given(tokens=st.integers(1, 40), heads=st.integers(1, 5), half=st.integers(1, 40), scale=st.sampled_from([0.01, 1.0, 50.0]),
-       special=st.booleans(), seed=st.integers(0, 2**16))
-def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
-    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary
-    embedding bit for bit (torch's roundings to bf16, done where torch does them), RMSNorm within two
-    ulps (its sum of squares adds in another order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
-    if kernels.rms_norm_cpu(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), 1e-6) is None:
-        pytest.skip("no numba: the model uses the torch ops")
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, heads, 2 * half, generator=g) * scale).bfloat16()
-    if special:
-        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor([float("inf"), -float("inf"), float("nan")]).bfloat16()
-    weight = torch.randn(2 * half, generator=g).bfloat16()
-    angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    kernels.USE_CPU_LOOPS = False  # (not monkeypatch: hypothesis reruns the body within one test call)
-    try:
-        want_rot = nanobatch.Rotary.apply(x, cos, sin)
-        want_norm = nanobatch.RMSNorm.forward(types.SimpleNamespace(weight=weight, eps=1e-6), x)
-    finally:
-        kernels.USE_CPU_LOOPS = True
-    rot = kernels.rotary_cpu(x, cos, sin)
-    assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
-    assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
-    got = kernels.rms_norm_cpu(x, weight, 1e-6)
-    assert torch.equal(got.isnan(), want_norm.isnan())
-    ok = ~got.isnan()  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
-    assert ((got.view(torch.int16)[ok].int() - want_norm.view(torch.int16)[ok].int()).abs() <= 2).all()
-
-
 def test_same_seed_same_output_whatever_the_batch(tiny_llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     alone = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -595,19 +840,6 @@ def test_same_seed_same_output_whatever_the_batch(tiny_llm):
     assert other_seed[0].outputs[0].token_ids != alone
 
 
-def test_stop_strings_and_stop_token_ids(folder_llm):
-    prompt = "The capital of France is"
-    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
-    stop = full.text[10:14]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop, "never appears"], **GREEDY), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == full.text[: full.text.find(stop)], "the text ends right before the stop string"
-    stop_id = full.token_ids[5]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
-
-
 def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_llm):
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
@@ -616,1018 +848,6 @@ def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_
     assert chat["prompt_token_ids"] == tiny_llm.tokenizer.encode(chat["prompt"], add_special_tokens=False)
     out = tiny_llm.generate([chat], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
     assert out.prompt == chat["prompt"] and out.prompt_token_ids == chat["prompt_token_ids"]
-
-
-def test_eos_ends_the_output(tiny_llm):
-    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
-    eos_as = greedy[3]
-    tiny_llm.eos_token_ids.add(eos_as)  # pretend the 4th greedy token is the model's EOS
-    try:
-        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
-    finally:
-        tiny_llm.eos_token_ids.discard(eos_as)
-    assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(eos_as) + 1]
-
-
-def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
-    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial one, shared by the 4 samples
-    tiny_llm.stats = nanobatch.EngineStats()
-    out = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
-    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and all(len(c.token_ids) == 5 for c in out.outputs)
-    assert tiny_llm.stats.peak_blocks_in_use == 3 + 4, "3 shared full blocks + one own block per sample (4 apart would need 16)"
-    for c in out.outputs:
-        assert len(c.logprobs) == 5
-        for token_id, entry in zip(c.token_ids, c.logprobs):
-            assert next(iter(entry)) == token_id and entry[token_id].logprob <= 0
-            assert len(entry) in (2, 3)  # the sampled token plus the top 2 (it may be one of them)
-    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=1, **GREEDY), use_tqdm=False)[0].outputs[0]
-    for token_id, entry in zip(greedy.token_ids, greedy.logprobs):
-        assert entry[token_id].rank == 1
-    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
-
-
-def test_abort_frees_blocks_and_reports_once(tiny_llm):
-    rid = tiny_llm.add_request(list(range(40)), SamplingParams(max_tokens=50, **GREEDY))
-    tiny_llm.step()
-    tiny_llm.abort_request(rid)
-    outs = tiny_llm.step()
-    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [(rid, "abort")]
-    assert not tiny_llm.has_unfinished_requests() and tiny_llm.step() == []
-    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
-
-
-# ---- Bad input: clear errors, and the engine stays usable ----
-
-
-@pytest.mark.parametrize(
-    "field,value,message",
-    [
-        ("n", 0, "SamplingParams.n"),
-        ("temperature", -0.5, "SamplingParams.temperature"),
-        ("top_p", 0.0, "SamplingParams.top_p"),
-        ("top_p", 1.5, "SamplingParams.top_p"),
-        ("top_k", -3, "SamplingParams.top_k"),
-        ("min_p", 2.0, "SamplingParams.min_p"),
-        ("max_tokens", 0, "SamplingParams.max_tokens"),
-        ("stop", [""], "SamplingParams.stop"),
-        ("stop_token_ids", [-1], "SamplingParams.stop_token_ids"),
-        ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
-        ("seed", 1.5, "SamplingParams.seed"),
-        ("seed", -1, "SamplingParams.seed"),
-        ("temperature", float("inf"), "SamplingParams.temperature"),
-        ("top_k", 2**40, "SamplingParams.top_k"),
-        ("logprobs", 100, "SamplingParams.logprobs"),
-        ("prompt_logprobs", 21, "SamplingParams.prompt_logprobs"),
-        ("presence_penalty", 2.5, "SamplingParams.presence_penalty"),
-        ("frequency_penalty", "1", "SamplingParams.frequency_penalty"),
-        ("repetition_penalty", 0, "SamplingParams.repetition_penalty"),
-        ("logit_bias", {-1: 1.0}, "SamplingParams.logit_bias"),
-        ("logit_bias", {5: float("nan")}, "SamplingParams.logit_bias"),
-        ("min_tokens", 17, "SamplingParams.min_tokens"),
-        ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output"),
-        ("skip_special_tokens", None, "SamplingParams.skip_special_tokens"),
-        ("output_kind", "delta", "SamplingParams.output_kind"),
-    ],
-)
-def test_invalid_sampling_params(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**{field: value})
-
-
-@pytest.mark.parametrize(
-    "field,value",
-    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu")],
-)
-def test_invalid_engine_config(field, value):
-    with pytest.raises(ValueError, match=field if field != "device" else "device"):
-        EngineConfig(**{field: value})
-
-
-def test_bad_input_leaves_engine_usable(tiny_llm):
-    llm = tiny_llm
-    good = SamplingParams(max_tokens=4, **GREEDY)
-    expected = llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids
-    cases = [
-        (lambda: llm.generate([], good), "no prompts"),
-        (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
-        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: prompt has 5000 tokens, but max_model_len is 1024"),
-        (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
-        (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
-        (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
-        (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
-        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "KV blocks"),
-        (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
-    ]
-    for call, message in cases:
-        with pytest.raises(ValueError, match=message):
-            call()
-        assert not llm.has_unfinished_requests(), "a rejected call queues nothing"
-    assert llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids == expected
-    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
-
-
-def test_unknown_model_path():
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(model="/no/such/model")
-
-
-def test_unsupported_architecture(tmp_path):
-    from transformers import GPT2Config
-
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        LLM(model=str(tmp_path))
-
-
-def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
-    """Rejected from the config alone: the tokenizer and weights never load."""
-    def never(*args, **kwargs):
-        raise AssertionError("loaded the weights before checking max_model_len")
-
-    monkeypatch.setattr(nanobatch, "_load_hf_weights", never)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
-    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 1024"):
-        LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096, **CPU)
-
-
-# ---- CLI ----
-
-
-def run_cli(*args, stdin=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [*args, "--device", "cpu", "--dtype", "float32"]  # compared with fp32 engines
-    return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_cli_runs_prompts_and_writes_jsonl(tiny_models, tiny_llm, tmp_path):
-    folder = tiny_models["llama-gqa-untied"][0]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Hello, my name is\n\nThe capital of France is\n")
-    out = tmp_path / "out.jsonl"
-    r = run_cli("--model", folder, "--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", str(out), "--num-kv-blocks", "64")
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row["prompt"] for row in rows] == ["Hello, my name is", "The capital of France is"]
-    expected = tiny_llm.generate([row["prompt"] for row in rows], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
-    assert [row["token_ids"] for row in rows] == [o.outputs[0].token_ids for o in expected]
-    assert all(row["finish_reason"] == "length" for row in rows)
-    summary = r.stdout.strip().splitlines()[-1]
-    assert summary.startswith("requests: 2, prompt tokens:") and "output tokens: 12" in summary and "output tokens/s" in summary
-
-
-def test_cli_reads_stdin_with_chat_template(tiny_models):
-    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--chat", "--max-tokens", "3", "--quiet", "--num-kv-blocks", "64", stdin="What is 2+2?\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("requests: 1, prompt tokens:")
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--prompts", "/no/such/file.txt"], "prompts file '/no/such/file.txt' does not exist"),
-        (["--model", "/no/such/model", "--prompts", "EMPTY"], "has no prompts"),
-        (["--model", "/no/such/model", "--prompts", "PROMPTS"], "model path '/no/such/model' does not exist"),
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "SamplingParams.top_p"),
-    ],
-)
-def test_cli_errors_are_one_clear_line(tmp_path, args, message):
-    (tmp_path / "empty.txt").write_text("\n  \n")
-    (tmp_path / "prompts.txt").write_text("hi\n")
-    args = [str(tmp_path / "empty.txt") if a == "EMPTY" else str(tmp_path / "prompts.txt") if a == "PROMPTS" else a for a in args]
-    r = run_cli(*args)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: ") and message in lines[0]
-
-
-# ---- Kernels: Triton and torch references against a float64 oracle ----
-#
-# Sizes: the interpreter costs roughly (programs x key tiles x ops) in numpy
-# calls, so the property tests keep to what still exercises every path: up to 4
-# sequences, queries up to 48 tokens over cached prefixes up to 80 (under 200
-# tokens and 130 positions per sequence: several query blocks and key tiles,
-# cache blocks from 1 token to larger than a key tile), head_dim up to 128, GQA
-# groups 1-8, and 30-60 examples per property. The whole file runs in well under
-# two minutes on 2 CPU cores.
-
-if kernels.TRITON_INTERPRET:
-    DEVICE = "cpu"  # interpreted kernels: CPU tensors, even on a machine with a GPU
-elif torch.cuda.is_available():
-    DEVICE = "cuda"  # compiled kernels
-else:
-    raise RuntimeError("kernels.py was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment")
-needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU with compiled (not interpreted) Triton")
-
-# |got - want| <= ATOL + RTOL * |want|, want in float64 from the same (rounded) inputs
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-GARBAGE_BLOCK_IDS = (-1, -(2**31), 2**31 - 1, 2**20)  # what padded block-table entries may hold
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-# ---- A paged batch and its float64 oracle ----
-
-
-@dataclass
-class Case:
-    seqs: list  # [(context_len, query_len)] per sequence: seq_len = context_len + query_len
-    block_size: int
-    num_kv_heads: int
-    group: int  # query heads per kv head
-    head_dim: int
-    dtype: torch.dtype
-    seed: int = 0
-    temperature: float = 1.0  # multiplies q: > 1 sharpens the softmax (exercises the running max)
-    q_is_view: bool = False  # q as a strided slice of a wider buffer (like a fused qkv)
-
-
-def build(case):
-    """Dense per-sequence K/V and q, plus the paged cache holding them. Every cache
-    slot the batch does not own is NaN (unreferenced blocks, and slots past seq_len
-    in each last block), padded block-table entries hold garbage ids, and the blocks
-    of each sequence are scattered over the cache in shuffled order."""
-    g = torch.Generator().manual_seed(case.seed)
-    num_heads, D, bs = case.num_kv_heads * case.group, case.head_dim, case.block_size
-    seq_lens = [c + n for c, n in case.seqs]
-    blocks_per_seq = [math.ceil(L / bs) for L in seq_lens]
-    max_blocks = max(blocks_per_seq) + 2  # two padded columns even for the longest sequence
-    num_blocks = sum(blocks_per_seq) + 3  # three never-referenced blocks
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    k_cache = torch.full((num_blocks, bs, case.num_kv_heads, D), float("nan"), dtype=case.dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    block_tables = torch.empty(len(case.seqs), max_blocks, dtype=torch.int32)
-    ks, vs, qs = [], [], []
-    for s, L in enumerate(seq_lens):
-        own, ids = ids[: blocks_per_seq[s]], ids[blocks_per_seq[s] :]
-        garbage = [GARBAGE_BLOCK_IDS[i] for i in torch.randint(0, len(GARBAGE_BLOCK_IDS), (max_blocks - len(own),), generator=g).tolist()]
-        block_tables[s] = torch.tensor(own + garbage, dtype=torch.int32)
-        k = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)  # (L, Hkv, D)
-        v = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)
-        pos = torch.arange(L)
-        k_cache[block_tables[s, pos // bs].long(), pos % bs] = k
-        v_cache[block_tables[s, pos // bs].long(), pos % bs] = v
-        ks.append(k)
-        vs.append(v)
-        qs.append((case.temperature * torch.randn(case.seqs[s][1], num_heads, D, generator=g)).to(case.dtype))
-    q = torch.cat(qs)  # (num_tokens, H, D)
-    if case.q_is_view:
-        wide = torch.full((q.shape[0], num_heads + 3, D), float("nan"), dtype=case.dtype)
-        wide[:, 1 : num_heads + 1] = q
-        q = wide[:, 1 : num_heads + 1]  # strided: token stride (H + 3) * D
-    q_lens = [n for _, n in case.seqs]
-    query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    meta = dict(block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=query_start_loc)
-    to_dev = lambda t: t.to(DEVICE)  # noqa: E731
-    args = (to_dev(q), to_dev(k_cache), to_dev(v_cache), *(to_dev(t) for t in meta.values()), D**-0.5)
-    return args, (ks, vs, qs)
-
-
-def naive_attention(case, dense):
-    """float64, one sequence at a time, dense causal mask: (num_tokens, H, D)."""
-    outs = []
-    for (context_len, q_len), k, v, q in zip(case.seqs, *dense):
-        k = k.double().repeat_interleave(case.group, dim=1)  # (L, H, D): head h reads kv head h // group
-        v = v.double().repeat_interleave(case.group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.double(), k) * case.head_dim**-0.5  # (H, Q, L)
-        q_pos = context_len + torch.arange(q_len)  # position of each query in its sequence
-        visible = torch.arange(context_len + q_len)[None, :] <= q_pos[:, None]  # (Q, L)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
-    return torch.cat(outs)
-
-
-def check_attention(impl, case):
-    args, dense = build(case)
-    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-    got = impl(*args, out=out)
-    assert got is out
-    assert not got.isnan().any(), f"{int(got.isnan().sum())} output elements unwritten or NaN leaked from unused slots"
-    tol = TOLERANCE[case.dtype]
-    torch.testing.assert_close(got.cpu().double(), naive_attention(case, dense), rtol=tol, atol=tol)
-
-
-IMPLS = pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu], ids=["triton", "ref", "cpu"])
-
-# ---- paged_attention: properties ----
-
-
-@st.composite
-def cases(draw):
-    num_seqs = draw(st.integers(1, 4))
-    # query_len 1 is decode; context_len > 0 is a cached prefix (prefix cache hit or chunked prefill)
-    seqs = [(draw(st.integers(0, 80)), draw(st.one_of(st.just(1), st.integers(1, 48)))) for _ in range(num_seqs)]
-    num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (3, 3), (2, 4), (2, 7), (1, 8)]))
-    return Case(
-        seqs=seqs,
-        block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32, 64, 128, 256])),  # key tiles are 32 or 64
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=draw(st.sampled_from([16, 32, 64, 128, 8, 24])),  # 8 and 24: padded lanes
-        dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-        seed=draw(st.integers(0, 2**31)),
-        temperature=draw(st.sampled_from([1.0, 4.0])),
-        q_is_view=draw(st.booleans()),
-    )
-
-
-@IMPLS
-@PROPERTY
-@given(case=cases())
-def test_paged_attention_matches_naive(impl, case):
-    check_attention(impl, case)
-
-
-@IMPLS
-@settings(PROPERTY, max_examples=30)  # a narrower space than the main property
-@given(
-    seqs=st.lists(st.tuples(st.integers(0, 120), st.just(1)), min_size=1, max_size=6),
-    block_size=st.sampled_from([1, 4, 16, 128]),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    seed=st.integers(0, 2**31),
-)
-def test_paged_attention_decode_only(impl, seqs, block_size, dtype, seed):
-    """A batch of only decodes takes the small-tile launch config."""
-    check_attention(impl, Case(seqs=seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=32, dtype=dtype, seed=seed))
-
-
-# the GQA shapes of real models: 9/3 (SmolLM-135M), 32/8 (Llama-3-8B), 14/2 (Qwen2-0.5B), and MHA
-@IMPLS
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (8, 4, 128), (2, 7, 64), (4, 1, 64)])
-def test_paged_attention_model_shapes(impl, num_kv_heads, group, head_dim):
-    seqs = [(0, 40), (37, 1), (50, 30), (0, 1)]  # prefill, decode, prefix + prefill, first-token decode
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        check_attention(impl, Case(seqs, 16, num_kv_heads, group, head_dim, dtype, seed=7))
-
-
-@IMPLS
-def test_paged_attention_empty_batch(impl):
-    args, _ = build(Case([(3, 2)], 4, 1, 1, 16, torch.float32))
-    q, k_cache, v_cache, _, _, _, scale = args
-    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    got = impl(q[:0], k_cache, v_cache, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), empty, torch.zeros(1, dtype=torch.int32, device=DEVICE), scale)
-    assert got.shape == (0, 1, 16)
-
-
-# ---- store_kv: properties ----
-
-
-@pytest.mark.parametrize("impl", [kernels.store_kv_triton, kernels.store_kv_ref], ids=["triton", "ref"])
-@PROPERTY
-@given(
-    num_tokens=st.integers(0, 40),
-    num_kv_heads=st.integers(1, 3),
-    head_dim=st.sampled_from([8, 16, 24, 64]),
-    block_size=st.sampled_from([1, 2, 3, 16, 64]),
-    spare_blocks=st.integers(0, 3),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    seed=st.integers(0, 2**31),
-)
-def test_store_kv_writes_exactly_its_slots(impl, num_tokens, num_kv_heads, head_dim, block_size, spare_blocks, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = math.ceil(num_tokens / block_size) + spare_blocks
-    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=g).to(dtype)  # k and v: strided views, like a fused qkv
-    k, v = kv[:, 0], kv[:, 1]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]  # distinct slots: the engine never writes one twice
-    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1  # padding tokens: write nothing
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # (num_blocks, block_size, Hkv, D)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    keep = slots >= 0
-    want_k.view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]  # the written slots hold their rows ...
-    want_v.view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep]  # ... every other slot is untouched
-
-    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    impl(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
-    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
-
-
-# ---- Clear errors ----
-
-
-def _attention_args(**change):
-    """Valid arguments for a small batch, with some replaced."""
-    args, _ = build(Case([(5, 3), (0, 1)], 4, 2, 2, 16, torch.float32))
-    names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "scale")
-    kwargs = dict(zip(names, args))
-    kwargs.update({name: fn(kwargs) for name, fn in change.items()})
-    return kwargs
-
-
-BAD_ATTENTION = {  # what is wrong -> (the change, words the message must contain)
-    "q not 3-D": (dict(q=lambda a: a["q"][0]), "num_tokens, num_heads, head_dim"),
-    "heads do not divide": (dict(q=lambda a: a["q"][:, :3]), "do not fit"),
-    "head_dim differs": (dict(q=lambda a: a["q"][..., :8]), "do not fit"),
-    "caches differ": (dict(v_cache=lambda a: a["v_cache"][:, :2]), "both caches"),
-    "q float64": (dict(q=lambda a: a["q"].double()), "dtype"),
-    "cache dtype differs": (dict(k_cache=lambda a: a["k_cache"].half(), v_cache=lambda a: a["v_cache"].half()), "dtype"),
-    "block_tables int64": (dict(block_tables=lambda a: a["block_tables"].long()), "block_tables must be int32"),
-    "seq_lens int64": (dict(seq_lens=lambda a: a["seq_lens"].long()), "seq_lens must be int32"),
-    "query_start_loc too short": (dict(query_start_loc=lambda a: a["query_start_loc"][:-1]), "disagree on num_seqs"),
-    "out wrong shape": (dict(out=lambda a: torch.empty_like(a["q"][1:])), "out must match q"),
-}
-
-
-@pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu, kernels.paged_attention], ids=["triton", "ref", "cpu", "dispatch"])
-@pytest.mark.parametrize("bad", BAD_ATTENTION, ids=list(BAD_ATTENTION))
-def test_paged_attention_rejects(impl, bad):
-    change, words = BAD_ATTENTION[bad]
-    with pytest.raises(ValueError, match=words):
-        impl(**_attention_args(**change))
-
-
-def test_paged_attention_triton_rejects_what_only_it_cannot_do():
-    wide = torch.zeros(4, 1, 512, device=DEVICE)
-    cache = torch.zeros(2, 4, 1, 512, device=DEVICE)
-    meta = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32))
-    meta = [t.to(DEVICE) for t in meta]
-    with pytest.raises(ValueError, match="head_dim 512"):
-        kernels.paged_attention_triton(wide, cache, cache, *meta, 1.0)
-    strided = torch.zeros(2, 4, 1, 32, 2, device=DEVICE)[..., 0]  # head_dim not contiguous
-    with pytest.raises(ValueError, match="contiguous"):
-        kernels.paged_attention_triton(torch.zeros(4, 1, 32, device=DEVICE), strided, strided, *meta, 1.0)
-
-
-def _store_args(**change):
-    kwargs = dict(
-        k=torch.zeros(3, 2, 16), v=torch.zeros(3, 2, 16), k_cache=torch.zeros(4, 2, 2, 16), v_cache=torch.zeros(4, 2, 2, 16),
-        slot_mapping=torch.tensor([0, 5, -1]),
-    )
-    kwargs.update({name: fn(kwargs) for name, fn in change.items()})
-    return {name: t.to(DEVICE) for name, t in kwargs.items()}
-
-
-BAD_STORE = {
-    "k and v differ": (dict(v=lambda a: a["v"][:2]), "k and v must both be"),
-    "cache heads differ": (dict(k_cache=lambda a: a["k_cache"][:, :, :1], v_cache=lambda a: a["v_cache"][:, :, :1]), "caches must be"),
-    "slot_mapping int32": (dict(slot_mapping=lambda a: a["slot_mapping"].int()), "slot_mapping must be int64"),
-    "slot_mapping short": (dict(slot_mapping=lambda a: a["slot_mapping"][:2]), "slot_mapping must be int64"),
-    "int cache": (dict(k_cache=lambda a: a["k_cache"].long(), v_cache=lambda a: a["v_cache"].long()), "float32, float16 or bfloat16"),
-}
-
-
-@pytest.mark.parametrize("impl", [kernels.store_kv_triton, kernels.store_kv_ref, kernels.store_kv], ids=["triton", "ref", "dispatch"])
-@pytest.mark.parametrize("bad", BAD_STORE, ids=list(BAD_STORE))
-def test_store_kv_rejects(impl, bad):
-    change, words = BAD_STORE[bad]
-    with pytest.raises(ValueError, match=words):
-        impl(**_store_args(**change))
-
-
-# ---- Dispatch and the CPU switch ----
-
-
-def test_dispatch_picks_triton_for_cuda_or_the_cpu_switch(monkeypatch):
-    calls = []
-    monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append("triton"))
-    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, **kw: calls.append("ref"))
-    monkeypatch.setattr(kernels, "store_kv_triton", lambda *a, **kw: calls.append("triton"))
-    monkeypatch.setattr(kernels, "store_kv_ref", lambda *a, **kw: calls.append("ref"))
-    args = _attention_args()
-    for flag in (False, True):
-        monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", flag)
-        calls.clear()
-        kernels.paged_attention(**args)
-        kernels.store_kv(**_store_args())
-        assert calls == ["triton" if DEVICE == "cuda" or flag else "ref"] * 2
-
-
-def test_dispatch_with_cpu_switch_runs_triton_and_matches(monkeypatch):
-    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
-    case = Case([(20, 5), (9, 1)], 8, 2, 3, 32, torch.float32, seed=3)
-    check_attention(kernels.paged_attention, case)
-
-
-def _run_python(code, interpret, triton_on_cpu=False):
-    """Run code in a fresh interpreter (kernels.py freshly imported) from this directory."""
-    env = {name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "NANOBATCH_TRITON_ON_CPU")}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    if triton_on_cpu:
-        env["NANOBATCH_TRITON_ON_CPU"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_without_triton_the_refs_work_and_triton_says_why():
-    code = """
-import sys
-sys.modules["triton"] = None  # as if not installed: `import triton` raises ImportError
-import torch, kernels
-k_cache = torch.zeros(2, 4, 1, 16)
-kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), k_cache, k_cache.clone(), torch.tensor([5]))
-assert k_cache[1, 1].eq(1).all()
-out = kernels.paged_attention(torch.ones(1, 1, 16), k_cache, k_cache, torch.tensor([[0, 1]], dtype=torch.int32),
-                              torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.25)
-assert out.shape == (1, 1, 16)
-try:
-    kernels.paged_attention_triton(torch.ones(1, 1, 16), k_cache, k_cache, torch.tensor([[0, 1]], dtype=torch.int32),
-                                   torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.25)
-except RuntimeError as e:
-    assert "triton is not installed" in str(e), e
-else:
-    raise AssertionError("no error")
-"""
-    result = _run_python(code, interpret=True)
-    assert result.returncode == 0, result.stderr
-
-
-def test_triton_on_cpu_without_interpreter_says_why():
-    code = """
-import torch, kernels
-assert kernels.USE_TRITON_ON_CPU  # from NANOBATCH_TRITON_ON_CPU=1
-try:
-    kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16), torch.tensor([5]))
-except RuntimeError as e:
-    assert "TRITON_INTERPRET=1" in str(e), e
-else:
-    raise AssertionError("no error")
-"""
-    result = _run_python(code, interpret=False, triton_on_cpu=True)
-    assert result.returncode == 0, result.stderr
-
-
-# ---- Real compilation, even without a GPU ----
-# The interpreter accepts things the compiler rejects (tl.dot shapes, dtypes,
-# control flow), so compile both kernels for an H100 (sm_90) with triton's own
-# compiler and ptxas, in a fresh process where TRITON_INTERPRET is unset. Nothing
-# runs; this only proves the kernels build for the launch configs the wrappers use.
-
-def triton_version_is(prefix):
-    try:
-        import triton
-    except ImportError:
-        return False
-    return triton.__version__.startswith(prefix)
-
-
-COMPILE_FOR_SM90 = """
-import triton, torch, kernels
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-def build(fn, pointer_dtype, consts, num_warps):
-    # int arguments that are multiples of 16 and 16-byte aligned pointers, as the launcher would specialize them
-    sig = {name: "constexpr" if name in consts else pointer_dtype(name) if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
-           for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-
-INT_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
-for dtype, group, head_dim, block_size, num_tokens in [("fp16", 4, 128, 16, 9), ("fp16", 4, 128, 16, 8), ("bf16", 7, 64, 1, 9), ("fp32", 1, 24, 256, 9)]:
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_q, tile_n = kernels._launch_config(num_tokens, 8, group, head_dim_padded)
-    consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-                  BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, DOT_IN_FP32=dtype == "fp32")
-    build(kernels._paged_attention_kernel, lambda name: INT_PTRS.get(name, "*" + dtype), consts, num_warps=4)
-build(kernels._store_kv_kernel, lambda name: INT_PTRS.get(name, "*bf16"), dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), num_warps=1)
-print("compiled")
-"""
-
-
-@pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
-def test_kernels_compile_for_sm90():
-    result = _run_python(COMPILE_FOR_SM90, interpret=False)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
-
-
-# ---- CUDA only: real compilation at model sizes ----
-
-
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_cuda_model_sized_batch(dtype, block_size):
-    """Llama-3-8B heads (32/8, head_dim 128), long cached prefixes, prefills and decodes in one batch."""
-    seqs = [(0, 300), (1500, 1), (700, 129), (2047, 1), (0, 1), (64, 64)]
-    check_attention(kernels.paged_attention, Case(seqs, block_size, 8, 4, 128, dtype, seed=11))
-    decodes = [(n, 1) for n in (1, 17, 513, 2000, 4095)]
-    check_attention(kernels.paged_attention, Case(decodes, block_size, 8, 4, 128, dtype, seed=12))
-
-
-@needs_gpu
-def test_cuda_store_kv_large_slots():
-    """Slots past 2**31 / (Hkv * D) elements: the cache offsets must be int64."""
-    num_blocks, block_size = 2**31 // (16 * 2 * 64) + 8, 16  # the last blocks start past element 2**31
-    k_cache = torch.zeros(num_blocks, block_size, 2, 64, dtype=torch.float16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    slots = torch.tensor([num_blocks * block_size - 1, 3], device="cuda")
-    k = torch.randn(2, 2, 64, dtype=torch.float16, device="cuda")
-    kernels.store_kv(k, -k, k_cache, v_cache, slots)
-    assert torch.equal(k_cache[-1, -1], k[0]) and torch.equal(v_cache[0, 3], -k[1])
-
-
-@pytest.mark.skipif(not kernels.TRITON_INTERPRET, reason="on a GPU the engine runs on Triton anyway: see test_cuda_engine_matches_hf_transformers")
-def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypatch):
-    """The whole engine through the Triton kernels (interpreted on CPU) gives the same greedy tokens."""
-    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=32, block_size=8, **CPU)
-    prompts = [list(range(10, 15)), list(range(200, 223)), list(range(500, 541))]  # small: the interpreter is slow
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    calls = []
-    triton_attention = kernels.paged_attention_triton
-    monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append(1) or triton_attention(*a, **kw))
-    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert calls, "the Triton kernel was not used"
-    assert got == expected
-
-
-@needs_gpu
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
-def test_cuda_engine_matches_hf_transformers(tiny_models, family):
-    """On a GPU: the engine runs through the compiled Triton kernels, fp32, and matches HF greedy."""
-    folder, model = tiny_models[family]
-    llm = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=128, block_size=16)
-    rng = random.Random(family)
-    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 40, 150)]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16)
-
-
-
-# ---- Server: HTTP endpoints on a loopback port ----
-
-SEED_REQUESTS = [  # vLLM's /generate demo requests, as in the seeds
-    {"prompt": "The capital of France is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
-    {"prompt": "The largest planet in our solar system is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
-    {"prompt": "To be or not to be, that is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
-]
-GREEDY_JSON = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="session")
-def server_model_dir(tmp_path_factory, default_hf):
-    """A tiny random Llama with the default model's tokenizer (vocab 49152)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_llama_server")
-    default_hf[1].save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(server_model_dir):
-    llm = LLM(model=server_model_dir, num_kv_blocks=256, max_num_seqs=64, block_size=16, **CPU)
-    srv, url = start_server(llm, "127.0.0.1", 0)
-    srv.test_url = url
-    yield srv
-    srv.stop()
-    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks  # stopped: the engine thread is gone, reading is safe
-
-
-def engine_state(server):
-    def read(llm):
-        return {"free": llm.allocator.num_free_blocks, "total": llm.allocator.num_blocks, "busy": llm.has_unfinished_requests(),
-                "output_tokens": llm.stats.num_output_tokens, "steps": llm.stats.num_steps, "peak": llm.stats.peak_blocks_in_use}
-    return server.engine.call(read)
-
-
-def wait_all_blocks_free(server, timeout=10):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = engine_state(server)
-        if state["free"] == state["total"] and not state["busy"]:
-            return state
-        time.sleep(0.02)
-    pytest.fail(f"blocks still in use after {timeout} s: {state}")
-
-
-def connect(server, timeout=60):
-    parts = urlsplit(server.test_url)
-    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-
-
-def request(server, method, path, body=None, raw=None):
-    """(status, parsed JSON body) of one request on a fresh connection."""
-    conn = connect(server)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    return resp.status, json.loads(payload)
-
-
-def post(server, path, body):
-    return request(server, "POST", path, body)
-
-
-def stream(server, path, body):
-    """The lines of a streamed response (chunked transfer decoded by http.client), blank lines dropped."""
-    conn = connect(server)
-    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()
-    lines = [line.decode().rstrip("\n") for line in resp]
-    conn.close()
-    return resp.getheader("Content-Type"), [line for line in lines if line]
-
-
-def sse_events(lines):
-    assert all(line.startswith("data: ") for line in lines), lines
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
-
-
-# ---- /generate (vLLM's demo server) ----
-
-
-def test_health_and_models(server):
-    assert request(server, "GET", "/health") == (200, {"status": "ok"})
-    status, body = request(server, "GET", "/v1/models")
-    assert status == 200 and body["object"] == "list"
-    assert body["data"][0]["id"] == os.path.basename(server.engine.llm.config.model) and body["data"][0]["max_model_len"] == 512
-
-
-@pytest.mark.parametrize("seed_request", SEED_REQUESTS, ids=["france", "planet", "hamlet"])
-def test_seed_requests(server, seed_request):
-    status, body = post(server, "/generate", seed_request)
-    assert status == 200 and set(body) == {"text"}
-    [text] = body["text"]
-    assert text.startswith(seed_request["prompt"]) and len(text) > len(seed_request["prompt"])
-
-
-def test_generate_n_samples_and_logprobs(server):
-    status, body = post(server, "/generate", {"prompt": "Hello, my name is", "n": 3, "temperature": 1.0, "seed": 1,
-                                               "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
-    assert status == 200 and len(body["text"]) == 3 and len(body["logprobs"]) == 3
-    for tokens in body["logprobs"]:
-        assert len(tokens) == 5
-        for t in tokens:
-            assert t["logprob"] <= 0 and t["rank"] >= 1 and len(t["top_logprobs"]) == 2
-            assert [x["rank"] for x in t["top_logprobs"]] == [1, 2] and t["top_logprobs"][0]["logprob"] >= t["logprob"]
-
-
-def test_generate_stream_is_cumulative_ndjson(server):
-    body = {"prompt": "The future of AI is", "max_tokens": 8, **GREEDY_JSON}
-    content_type, lines = stream(server, "/generate", body)
-    assert content_type == "application/x-ndjson"
-    texts = [json.loads(line)["text"][0] for line in lines]
-    assert len(texts) == 8  # one line per token (each token here decodes to whole characters)
-    assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # each line extends the last
-    assert texts[-1] == post(server, "/generate", body)[1]["text"][0]
-
-
-# ---- OpenAI endpoints ----
-
-
-def test_completions_stream_sse(server):
-    body = {"model": server.model_name, "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
-    status, whole = post(server, "/v1/completions", body)
-    assert status == 200 and whole["object"] == "text_completion"
-    [choice] = whole["choices"]
-    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == 8
-    assert choice["logprobs"]["text_offset"][0] == 0 and "".join(choice["logprobs"]["tokens"]) == choice["text"]
-    assert whole["usage"]["completion_tokens"] == 8
-    assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 8
-
-    content_type, lines = stream(server, "/v1/completions", body)
-    events = sse_events(lines)
-    assert content_type == "text/event-stream"
-    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
-    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
-    assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
-
-
-def test_stream_holds_back_a_partial_stop_string(server):
-    body = {"prompt": "Once upon a time", "max_tokens": 24, **GREEDY_JSON}
-    text = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
-    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that the greedy output will meet
-    whole = post(server, "/v1/completions", {**body, "stop": stop})[1]["choices"][0]
-    assert whole["finish_reason"] == "stop" and whole["text"] == text[: text.index(stop)]
-    events = sse_events(stream(server, "/v1/completions", {**body, "stop": stop})[1])
-    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
-
-
-def test_chat_stream_sse(server):
-    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
-            "logprobs": True, "top_logprobs": 2, **GREEDY_JSON}
-    status, whole = post(server, "/v1/chat/completions", body)
-    assert status == 200 and whole["object"] == "chat.completion"
-    [choice] = whole["choices"]
-    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
-    content = choice["logprobs"]["content"]
-    assert len(content) == 6 and all(len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode()) for t in content)
-    assert whole["usage"]["completion_tokens"] == 6
-
-    events = sse_events(stream(server, "/v1/chat/completions", body)[1])
-    assert all(e["object"] == "chat.completion.chunk" for e in events)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
-
-
-def test_openai_client(server):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.test_url + "/v1", api_key="x", max_retries=0, timeout=60)
-    model = client.models.list().data[0].id
-    extra = {"extra_body": {"ignore_eos": True}}
-
-    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, **extra)
-    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 6
-    assert len(completion.choices[0].logprobs.tokens) == 6
-    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True, **extra))
-    assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
-
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, **extra)
-    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
-    assert len(chat.choices[0].logprobs.content) == 6
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, **extra))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # include_usage: a last chunk with no choices
-
-
-# ---- batching, sharing, aborts ----
-
-
-def test_32_concurrent_clients_match_offline_generate(server):
-    prompts = [f"Request {i}: the most interesting fact about the number {i * 7} is" for i in range(32)]
-    offline = server.engine.call(lambda llm: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False))
-    before = engine_state(server)
-    answers = [None] * len(prompts)
-
-    def client(i):  # half on /generate, half on /v1/completions
-        if i % 2:
-            answers[i] = post(server, "/generate", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["text"][0][len(prompts[i]):]
-        else:
-            answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["choices"][0]["text"]
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        for future in [pool.submit(client, i) for i in range(len(prompts))]:
-            future.result(timeout=120)  # a client's exception fails the test here, with its traceback
-    assert answers == [out.outputs[0].text for out in offline]
-    steps = engine_state(server)["steps"] - before["steps"]
-    assert steps < 32 * 8 // 2  # batched: far fewer steps than running the 32 requests one after another
-
-
-def test_n4_shares_the_prompt_blocks(server):
-    prompt = "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms"
-    body = {"max_tokens": 4, "temperature": 1.0, "seed": 0, "ignore_eos": True}
-    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
-    status, shared = post(server, "/v1/completions", {"prompt": prompt, "n": 4, **body})
-    assert status == 200 and sorted(c["index"] for c in shared["choices"]) == [0, 1, 2, 3]
-    assert all(c["finish_reason"] == "length" for c in shared["choices"])
-    peak_shared = engine_state(server)["peak"]
-    num_prompt = shared["usage"]["prompt_tokens"]
-    full, partial = divmod(num_prompt, 16)
-    assert full >= 1 and 0 < partial <= 12  # the 4 output tokens stay in the prompt's last block
-    assert peak_shared == full + 4  # full prompt blocks shared; each sample copies the partial block on write
-
-    # the same work as four separate requests (different prompts, so no prefix-cache hits), admitted in one step:
-    # the engine thread is held in a call until all four are in its inbox
-    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
-    entered, release = threading.Event(), threading.Event()
-    hold = threading.Thread(target=server.engine.call, args=(lambda llm: (entered.set(), release.wait(60)),))
-    hold.start()
-    assert entered.wait(10)
-    separate = [None] * 4
-
-    def client(i):
-        separate[i] = post(server, "/v1/completions", {"prompt": f"{i}{i} " + prompt, **body})[1]
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while server.engine.inbox.qsize() < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.engine.inbox.qsize() == 4, "the four requests must wait in the inbox together"
-    release.set()
-    for t in threads + [hold]:
-        t.join(60)
-        assert not t.is_alive()
-    assert all(-(-s["usage"]["prompt_tokens"] // 16) == full + 1 for s in separate)
-    assert engine_state(server)["peak"] == 4 * (full + 1) > peak_shared
-    wait_all_blocks_free(server)
-
-
-@pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
-def test_client_disconnect_aborts_and_frees_blocks(server, path, streamed):
-    before = engine_state(server)
-    num_aborts = server.engine.num_client_aborts
-    body = {"max_tokens": 480, "stream": streamed, **GREEDY_JSON}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "Tell me a long story."})
-    conn = connect(server)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    if streamed:
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline()  # the first tokens arrived
-    else:
-        deadline = time.monotonic() + 10
-        while engine_state(server)["output_tokens"] == before["output_tokens"] and time.monotonic() < deadline:
-            time.sleep(0.01)  # until it runs
-    conn.sock.close()  # hang up mid-request
-    conn.close()
-    after = wait_all_blocks_free(server)
-    assert server.engine.num_client_aborts == num_aborts + 1
-    assert after["output_tokens"] - before["output_tokens"] < 480  # it stopped early
-    assert post(server, "/generate", {"prompt": "still there?", "max_tokens": 2})[0] == 200
-
-
-# ---- bad requests ----
-
-TOO_LONG = "word " * 600  # over max_model_len 512
-CHAT = [{"role": "user", "content": "hi"}]
-BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must contain)
-    ("/generate", b"{not json", "not valid JSON"),
-    ("/generate", b"[1, 2]", "JSON object"),
-    ("/generate", b"\xff\xfe", "not valid JSON"),
-    ("/generate", {"max_tokens": 4}, "'prompt' is required"),
-    ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
-    ("/generate", {"prompt": ""}, "prompt is empty"),
-    ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
-    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens': Input should be a valid integer"),
-    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
-    ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
-    ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
-    ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
-    ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
-    ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
-    ("/v1/completions", {"model": "x"}, "'prompt' is required"),
-    ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
-    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
-    ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
-    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
-    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage'"),
-    ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
-]
-
-
-@pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
-def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
-    status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
-    assert words in answer["error"]["message"], answer
-    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
-
-
-def test_unknown_path_and_wrong_method(server):
-    status, answer = request(server, "POST", "/v2/nothing", {"prompt": "hi"})
-    assert status == 404 and "no such endpoint" in answer["error"]["message"]
-    status, answer = request(server, "GET", "/generate")
-    assert status == 405 and "takes POST" in answer["error"]["message"]
-    conn = connect(server)
-    conn.request("GENERATE", "/generate", body=b"{}")  # an odd verb reaches no endpoint
-    assert conn.getresponse().status == 405
-    conn.close()
-    assert wait_all_blocks_free(server)["busy"] is False
-
-
-def test_keep_alive_connection_survives_errors(server):
-    conn = connect(server)
-    for raw, status in [(b"{bad", 400), (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 400), (json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), 200)]:
-        conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == status and json.loads(resp.read())
-    conn.request("POST", "/generate", body=b"")
-    resp = conn.getresponse()
-    assert resp.status == 400 and "empty" in json.loads(resp.read())["error"]["message"]
-    conn.close()
-
-
-def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
-    def break_next_step(llm):
-        real_step = llm.step
-
-        def broken():
-            del llm.step  # back to the real method
-            real_step()  # schedules and allocates, as a real failure mid-step would have
-            raise RuntimeError("simulated failure")
-        llm.step = broken
-
-    server.engine.call(break_next_step)
-    status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
-    assert status == 500 and answer["error"]["type"] == "internal_server_error"
-    assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
-    wait_all_blocks_free(server)
-    assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
-
-
-# ---- Tests: sampling surface (prompt logprobs, penalties, logit_bias, min_tokens, fast sampler) ----
-
-
-def hf_logprobs(model, token_ids):
-    """HF transformers' log-softmax at every position of token_ids, fp32: (len, vocab)."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
 
 def check_prompt_logprobs(prompt_logprobs, prompt_ids, reference, k):
@@ -1742,33 +962,6 @@ def test_logit_bias_and_skip_special_tokens(folder_llm):
     assert out.text == "<|im_end|>" * 3
 
 
-def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm):
-    """A final_only request without stop strings is detokenized once, when it ends (or is aborted):
-    its text equals the incremental detokenizer's text of the same tokens streamed as cumulative
-    outputs, and a plain decode of its tokens, special tokens skipped or kept. High-temperature
-    sampling makes tokens that cut characters in the middle."""
-    def last_output(params, num_steps=None):
-        request_id = folder_llm.add_request("Write something odd:", params)
-        outputs, steps = [], 0
-        while folder_llm.has_unfinished_requests():
-            outputs += [o for o in folder_llm.step() if o.request_id == request_id]
-            steps += 1
-            if steps == num_steps:
-                folder_llm.abort_request(request_id)
-        return outputs[-1].outputs[0], len(outputs)
-
-    for skip in (True, False):
-        params = SamplingParams(temperature=1.6, seed=11, max_tokens=48, ignore_eos=True, skip_special_tokens=skip)
-        streamed, num_streamed = last_output(params)
-        final, num_final = last_output(dataclasses.replace(params, output_kind="final_only"))
-        assert num_streamed == 48 and num_final == 1, "cumulative: one output per token; final_only: one in all"
-        assert final.token_ids == streamed.token_ids and final.text == streamed.text
-        assert final.text == folder_llm.tokenizer.decode(final.token_ids, skip_special_tokens=skip)
-    aborted, _ = last_output(dataclasses.replace(params, output_kind="final_only"), num_steps=6)
-    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 48
-    assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False)
-
-
 def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
     prompt = "The capital of France is"
     greedy = folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
@@ -1778,14 +971,6 @@ def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
     held = folder_llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], min_tokens=6, temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
     assert held.token_ids[:2] == greedy[:2] and held.token_ids[2] != stop_id, "the stop id is masked: the next best token comes"
-
-
-def test_include_stop_str_in_output(folder_llm):
-    prompt = "The capital of France is"
-    full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
-    stop = full.text[10:14]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False)[0].outputs[0]
-    assert out.text == full.text[: full.text.find(stop) + len(stop)] and out.stop_reason == stop
 
 
 @settings(max_examples=60, deadline=None)
@@ -1835,596 +1020,8 @@ def test_sampler_draws_the_filtered_distribution():
         assert (freq - expected).abs().max() < 0.015, params
 
 
-def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
-    good = SamplingParams(max_tokens=3, **GREEDY)
-    taken = str(next(tiny_llm.request_counter) + 1)  # the id the next automatic one would get
-    tiny_llm.add_request([5, 6, 7], good, request_id=taken)
-    outs = tiny_llm.generate([[1, 2], [3, 4]], good, use_tqdm=False)  # automatic ids skip the taken one
-    assert len(outs) == 2 and taken not in [o.request_id for o in outs]
-    with pytest.raises(ValueError, match="already in use"):
-        tiny_llm.add_request([1], good, request_id="clash")
-        tiny_llm.add_request([1], good, request_id="clash")
-    tiny_llm.abort_request("clash")
-    real_step, calls = tiny_llm.step, []
+# ---- Structured outputs ----
 
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the model failed")
-        return real_step()
-
-    monkeypatch.setattr(tiny_llm, "step", failing_step)
-    with pytest.raises(RuntimeError, match="the model failed"):
-        tiny_llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
-    monkeypatch.undo()
-    assert not tiny_llm.has_unfinished_requests() and not tiny_llm.requests
-    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
-
-
-def test_changing_params_after_submission_changes_nothing(tiny_llm):
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    expected = tiny_llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids
-    rid = tiny_llm.add_request([3, 4, 5], params)
-    params.max_tokens, params.stop_token_ids[:] = 1, [expected[0]]  # the caller reuses their object
-    params.stop_token_ids.append(expected[1])
-    outputs = {}
-    while tiny_llm.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in tiny_llm.step()})
-    assert outputs[rid].outputs[0].token_ids == expected
-
-
-# ---- Tests: the server's HTTP stack (uvicorn) and OpenAI surface ----
-
-
-def raw_exchange(server, data, wait=2.0):
-    """Send raw bytes on a fresh connection; everything the server answers until it closes or goes quiet."""
-    import socket
-
-    parts = urlsplit(server.test_url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=wait) as sock:
-        sock.sendall(data)
-        answer = b""
-        try:
-            while chunk := sock.recv(65536):
-                answer += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
-    return answer
-
-
-def test_idle_and_slow_connections_are_cut_and_requests_still_answered(server_model_dir):
-    """300 sockets that send nothing or a byte every 0.3 s, past a concurrency limit of 32: uvicorn
-    answers 503 at once past the limit, the head deadline cuts them all within a second or two,
-    a normal request then gets its 200, and sockets and threads come back down."""
-    import socket
-
-    llm = LLM(model=server_model_dir, num_kv_blocks=64, max_num_seqs=8, **CPU)
-    srv, url = start_server(llm, "127.0.0.1", 0, limit_concurrency=32, timeout_keep_alive=1)
-    address = urlsplit(url).hostname, urlsplit(url).port
-
-    def num_fds():
-        return len(os.listdir("/proc/self/fd"))
-
-    threads_before, fds_before = threading.active_count(), num_fds()
-    idle = [socket.create_connection(address, timeout=10) for _ in range(150)]
-    slow = [socket.create_connection(address, timeout=10) for _ in range(150)]
-    stop = threading.Event()
-
-    def trickle():
-        while not stop.wait(0.3):
-            for s in slow:
-                try:
-                    s.send(b"P")
-                except OSError:
-                    pass
-
-    trickler = threading.Thread(target=trickle)
-    trickler.start()
-    try:
-        start, statuses = time.monotonic(), []
-        while time.monotonic() - start < 10 and 200 not in statuses:
-            t0 = time.monotonic()
-            conn = http.client.HTTPConnection(*address, timeout=10)
-            conn.request("POST", "/generate", body=json.dumps({"prompt": "hi", "max_tokens": 2}))
-            resp = conn.getresponse()
-            resp.read()
-            conn.close()
-            statuses.append(resp.status)
-            assert time.monotonic() - t0 < 5  # every answer (503 or 200) comes at once
-            time.sleep(0.1)
-        assert statuses[-1] == 200 and set(statuses) <= {200, 503} and time.monotonic() - start < 5, statuses
-        for s in idle + slow:  # the server closed every one of them
-            try:
-                assert s.recv(1) == b""
-            except ConnectionResetError:  # a slow socket that sent after the close
-                pass
-    finally:
-        stop.set()
-        trickler.join()
-        for s in idle + slow:
-            s.close()
-    deadline = time.monotonic() + 10
-    while (num_fds() > fds_before + 2 or threading.active_count() > threads_before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert num_fds() <= fds_before + 2 and threading.active_count() <= threads_before
-    assert post(at_url(url), "/generate", {"prompt": "again", "max_tokens": 2})[0] == 200
-    srv.stop()
-
-
-def at_url(test_url):
-    """A stand-in for the server fixture, for the helpers above, on another server."""
-    import types
-
-    return types.SimpleNamespace(test_url=test_url)
-
-
-def test_framing_is_strict(server):
-    before = engine_state(server)["output_tokens"]
-    smuggled = b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 35\r\n\r\n{"prompt": "evil", "max_tokens": 5}'
-    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
-                          + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 4" not in answer  # the GET's body is its body, not a request
-    assert engine_state(server)["output_tokens"] == before  # nothing was generated for the smuggled POST
-
-    body = b'{"prompt": "hi", "max_tokens": 2}'
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    assert answer.startswith(b"HTTP/1.1 400")
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
-    assert answer.startswith(b"HTTP/1.1 400")
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
-    assert answer.startswith(b"HTTP/1.1 200")  # chunked request bodies are framed correctly
-    assert engine_state(server)["output_tokens"] == before + 2
-
-    # an HTTP/1.0 client gets its stream delimited by the connection close, not chunked
-    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_JSON}).encode()
-    answer = raw_exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), wait=30)
-    head, _, payload = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
-    assert len(payload.splitlines()) == 3 and all(json.loads(line)["text"] for line in payload.splitlines())
-
-
-@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud800b"}', b'{"prompt": "' + b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
-                         ids=["lone-surrogate", "deep-nesting-open", "deep-nesting"])
-@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
-def test_surrogates_and_deep_nesting_get_400(server, raw, path):
-    status, answer = request(server, "POST", path, raw=raw)
-    assert status == 400 and "not valid JSON" in answer["error"]["message"] and len(answer["error"]["message"]) < 200
-
-
-def test_generate_stream_sends_each_logprob_once(server):
-    body = {"prompt": "Count with me: one, two,", "max_tokens": 6, "logprobs": 1, **GREEDY_JSON}
-    lines = [json.loads(line) for line in stream(server, "/generate", body)[1]]
-    streamed = [t for line in lines for t in line["logprobs"][0]]
-    assert len(streamed) == 6 and streamed == post(server, "/generate", body)[1]["logprobs"][0]
-
-
-def test_client_hang_ups_log_no_tracebacks(server, caplog):
-    caplog.set_level(logging.DEBUG)
-    conn = connect(server)  # an idle keep-alive connection closed by its client
-    conn.request("GET", "/health")
-    conn.getresponse().read()
-    conn.close()
-    conn = connect(server)  # a body cut short
-    conn.putrequest("POST", "/generate")
-    conn.putheader("Content-Length", "1000")
-    conn.endheaders(b'{"prompt": ')
-    conn.close()
-    conn = connect(server)  # a stream hung up after its first line
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, **GREEDY_JSON}))
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline()
-    conn.sock.close()
-    conn.close()
-    wait_all_blocks_free(server)
-    assert post(server, "/generate", {"prompt": "still fine?", "max_tokens": 2})[0] == 200
-    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
-    assert not noisy, [r.getMessage() for r in noisy]
-
-
-def test_access_log_one_line_per_request_quiet_for_probes(server, caplog):
-    caplog.set_level(logging.INFO, logger="uvicorn.access")
-    for path in ["/health", "/metrics", "/version", "/v1/models"]:
-        conn = connect(server)
-        conn.request("GET", path)
-        assert conn.getresponse().status == 200
-        conn.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
-    assert len(lines) == 2 and "/version" in lines[0] and "/v1/models" in lines[1], lines
-
-
-def openai_client(url):
-    from openai import OpenAI
-
-    return OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
-    """lm-evaluation-harness's loglikelihood request: echo + logprobs, max_tokens 0 (and 1)."""
-    model, _ = default_hf
-    srv, url = start_server(folder_llm, "127.0.0.1", 0, served_model_name="smollm2")
-    try:
-        client = openai_client(url)
-        text = "The quick brown fox jumps over the lazy dog"
-        status, tokenized = post(at_url(url), "/tokenize", {"model": "smollm2", "prompt": text})
-        ids = tokenized["tokens"]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # (len, vocab)
-        expected = [logp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
-
-        scored = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0)
-        [choice] = scored.choices
-        lp = choice.logprobs
-        assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
-        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-4
-        assert all(abs(max(top.values()) - logp[i].max().item()) < 1e-4 for i, top in enumerate(lp.top_logprobs[1:]))
-        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
-
-        one = client.completions.create(model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0).choices[0]
-        next_id = int(logp[-1].argmax())
-        assert len(one.logprobs.tokens) == len(ids) + 1 and one.text.startswith(text)
-        assert max(abs(a - b) for a, b in zip(one.logprobs.token_logprobs[1:], expected + [logp[-1, next_id].item()])) < 1e-4
-    finally:
-        srv.stop()
-
-
-def test_batched_prompts_via_openai_client(server):
-    client = openai_client(server.test_url)
-    prompts = ["The capital of France is", "One plus one is", "My favourite colour is"]
-    singles = [client.completions.create(model=server.model_name, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts]
-    batch = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=5, temperature=0)
-    assert [c.index for c in batch.choices] == list(range(6))
-    assert [c.text for c in batch.choices] == [s for s in singles for _ in range(2)]  # choices[i * n + j]
-    assert batch.usage.completion_tokens == 6 * 5
-    token_ids = post(server, "/tokenize", {"prompt": prompts[1]})[1]["tokens"]
-    batch = client.completions.create(model=server.model_name, prompt=[token_ids, token_ids], max_tokens=5, temperature=0)
-    assert [c.text for c in batch.choices] == [singles[1]] * 2
-    streamed = list(client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True))
-    texts = ["".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i) for i in range(3)]
-    assert texts == singles
-    status, body = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})  # vLLM's extra field
-    for choice in body["choices"]:
-        entries = choice["prompt_logprobs"]
-        assert entries[0] is None and all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
-    assert sum(len(c["prompt_logprobs"]) for c in body["choices"]) == body["usage"]["prompt_tokens"]
-
-
-def test_wrong_model_gets_404(server_model_dir):
-    import openai
-
-    llm = LLM(model=server_model_dir, num_kv_blocks=32, **CPU)
-    srv, url = start_server(llm, "127.0.0.1", 0, served_model_name="my-model")
-    try:
-        client = openai_client(url)
-        assert [m.id for m in client.models.list().data] == ["my-model"]
-        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
-            client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
-        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
-            client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
-    finally:
-        srv.stop()
-
-
-REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
-    ("completions", "suffix", "!"),
-    ("completions", "best_of", 3),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("chat", "use_beam_search", True),
-]
-
-
-@pytest.mark.parametrize("endpoint,field,value", REJECTED, ids=[f"{e}-{f}" for e, f, _ in REJECTED])
-def test_unimplemented_fields_get_400(server, endpoint, field, value):
-    import openai
-
-    client = openai_client(server.test_url)
-    with pytest.raises(openai.BadRequestError, match=f"'{field}' is not supported"):
-        if endpoint == "completions":
-            client.completions.create(model=server.model_name, prompt="hi", max_tokens=2, extra_body={field: value})
-        else:
-            client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
-    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
-
-
-def test_penalties_and_logit_bias_are_applied(server):
-    client = openai_client(server.test_url)
-    token = post(server, "/tokenize", {"prompt": " banana", "add_special_tokens": False})[1]["tokens"][0]
-    forced = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=0,
-                                       extra_body={"ignore_eos": True})
-    assert forced.choices[0].text == " banana" * 4
-    penalized = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100},
-                                          presence_penalty=2, frequency_penalty=2, extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 2})
-    assert penalized.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(token): 100},
-                                          presence_penalty=0.5, extra_body={"ignore_eos": True})
-    assert chat.choices[0].message.content == " banana" * 3
-
-
-def test_tokenize_detokenize_version(server):
-    text = "Hello, world! Tokens go round and round."
-    status, tokenized = post(server, "/tokenize", {"prompt": text})
-    assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 512
-    assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": text})
-    chat = post(server, "/tokenize", {"messages": CHAT})[1]
-    assert chat["count"] > 2
-    assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
-    assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
-    status, version = request(server, "GET", "/version")
-    assert status == 200 and version["version"] == VERSION
-
-
-def metric_values(server):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    conn = connect(server)
-    conn.request("GET", "/metrics")
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
-    values = {}
-    for family in text_string_to_metric_families(resp.read().decode()):
-        for sample in family.samples:
-            assert sample.labels["model_name"] == server.model_name
-            values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
-    conn.close()
-    return values
-
-
-def test_metrics_count_the_requests_sent(server):
-    wait_all_blocks_free(server)
-    before = metric_values(server)
-    prompts = ["Metrics one", "Metrics number two", "And a third prompt for metrics"]
-    num_prompt = 0
-    for p in prompts:
-        status, body = post(server, "/v1/completions", {"prompt": p, "max_tokens": 3, **GREEDY_JSON})
-        num_prompt += body["usage"]["prompt_tokens"]
-    after = metric_values(server)
-
-    def delta(name, reason=None):
-        return after[(name, reason)] - before.get((name, reason), 0)
-
-    assert delta("vllm:prompt_tokens_total") == num_prompt
-    assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
-    assert delta("vllm:generation_tokens_total") == 3 * 3
-    assert delta("vllm:request_success_total", "length") == 3
-    for histogram in ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"]:
-        assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
-    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
-    assert after[("vllm:kv_cache_usage_perc", None)] == after[("vllm:gpu_cache_usage_perc", None)] == 0
-
-
-# ---- Tests: CPU attention path, dtype, prefix-cache keys, budgets, CLI ----
-
-
-def contiguous_blocks(args):
-    """The same paged batch with each sequence's blocks renumbered into one contiguous run
-    (the layout a prompt usually gets), so the reference takes its no-copy view path."""
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    bs = k_cache.shape[1]
-    new_k, new_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
-    new_tables, next_id = block_tables.clone(), 1  # block 0 stays unused (NaN)
-    for s, L in enumerate(seq_lens.tolist()):
-        n = -(-L // bs)
-        old = block_tables[s, :n].long()
-        new_k[next_id : next_id + n], new_v[next_id : next_id + n] = k_cache[old], v_cache[old]
-        new_tables[s, :n] = torch.arange(next_id, next_id + n, dtype=torch.int32)
-        next_id += n
-    return (q, new_k, new_v, new_tables, seq_lens, query_start_loc, scale)
-
-
-@PROPERTY
-@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans(), loops=st.booleans())
-def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first, loops):
-    """The CPU path's decode rows by compiled loops (bf16 and fp32 caches; fp16 takes the groups)
-    or by torch groups (any group size, down to one sequence each), a plan made ahead (as the
-    engine makes it once per step) or on the spot, and the reference's no-copy view of
-    contiguous blocks all give naive attention, NaN in unused slots included."""
-    args, dense = build(case)
-    if contiguous:
-        args = contiguous_blocks(args)
-    tol = TOLERANCE[case.dtype]
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
-        mp.setattr(kernels, "USE_CPU_LOOPS", loops)
-        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2], q.dtype) if plan_first else None
-        for impl in (kernels.paged_attention_ref, functools.partial(kernels.paged_attention_cpu, plan=plan)):
-            out = torch.full_like(q, float("nan"))
-            impl(*args, out=out)
-            assert not out.isnan().any()
-            torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
-
-
-def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
-    """A plan sends the decode rows to the compiled loops (numba, bf16 or fp32 caches) or to torch
-    groups (fp16, or the loops switched off); where Triton runs, or off the CPU, there is none."""
-    case = Case([(20, 1), (9, 1), (0, 6)], 8, 2, 3, 32, torch.float32, seed=3)
-    args, _ = build(case)
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
-    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
-    if kernels._decode_loops(torch.float32) is not None:  # numba installed
-        plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
-        assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
-        half = (q.half(), k_cache.half(), v_cache.half(), *args[3:])  # a plan for the loops meets fp16 caches: made again
-        assert torch.equal(kernels.paged_attention_cpu(*half, plan=plan).nan_to_num(), kernels.paged_attention_cpu(*half).nan_to_num())
-    with monkeypatch.context() as mp:  # numba not installed: the torch groups
-        mp.setattr(kernels, "_compile_loops", lambda dtype: None)
-        assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
-    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
-    assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
-    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
-    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
-    assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32) is None
-
-
-@pytest.mark.parametrize("loops", [True, False])
-def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
-    """A key whose score is -inf gets no weight, as in the reference, also when it is a
-    sequence's first key (the loops' running max starts at -inf)."""
-    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", loops)
-    case = Case([(20, 1), (9, 1)], 8, 2, 3, 32, torch.float32, seed=5)
-    args, _ = build(case)
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
-    q[:, :, 0] = 1.0
-    for seq in range(2):  # every sequence's first key: score -inf for every head
-        k_cache[block_tables[seq, 0], 0, :, 0] = float("-inf")
-    want = kernels.paged_attention_ref(*args)
-    assert want.isfinite().all()
-    torch.testing.assert_close(kernels.paged_attention_cpu(*args), want, rtol=1e-5, atol=1e-5)
-
-
-def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
-    """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
-    calls, plans = [], []
-    real_plan, real_attention = kernels._plan, kernels.paged_attention_cpu
-    monkeypatch.setattr(kernels, "_plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
-    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, plan=None, **k: plans.append(plan) or real_attention(*a, plan=plan, **k))
-    tiny_llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY), request_id="plan-1")
-    tiny_llm.step()
-    assert len(calls) == 1 and len(plans) == tiny_llm.model_config.num_layers > 1
-    assert all(p is calls[0] for p in plans)
-    while tiny_llm.has_unfinished_requests():
-        tiny_llm.step()
-
-
-def test_engine_freezes_the_loaded_heap_out_of_the_gc(tiny_models):
-    """Once an LLM is made, a full collection walks only what came after it (torch, transformers, the model
-    and the tokenizer are frozen: no 200 ms scan inside a step), and a dropped LLM is still freed at once."""
-    import gc
-    import weakref
-
-    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=16, **CPU)
-    assert gc.get_freeze_count() > 10 * len(gc.get_objects())
-    model = weakref.ref(llm.model)
-    del llm
-    assert model() is None
-
-
-def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
-    for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
-        assert EngineConfig(device="cpu").dtype == expected
-    assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"  # an explicit dtype is kept
-
-
-def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
-    """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
-    llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
-    assert llm.kv_pool.dtype == torch.bfloat16 and llm.model.lm_head.weight.dtype == torch.bfloat16
-    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is"]
-    params = SamplingParams(max_tokens=3, **GREEDY)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in folder_llm.generate(prompts, params, use_tqdm=False)]
-    assert [g[0] for g in got] == [w[0] for w in want]
-
-
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
-def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family, monkeypatch):
-    """bf16 on a CPU packs every Linear's weight once into oneDNN's layout: each layer's output, and
-    so the greedy tokens and their logprobs, equal plain F.linear's exactly (bias included)."""
-    path = tiny_models[family][0]
-    packed = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
-    linears = [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear)]
-    if not linears[0].weight.is_mkldnn:
-        pytest.skip("this torch has no oneDNN bf16 packing (pack_for_cpu warned and kept F.linear)")
-    assert all(m.weight.is_mkldnn for m in linears)
-    monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)
-    plain = LLM(model=path, device="cpu", dtype="bfloat16", num_kv_blocks=32)
-    for a, b in zip(linears, [m for m in plain.model.modules() if isinstance(m, torch.nn.Linear)]):
-        x = torch.randn(5, a.in_features, dtype=torch.bfloat16)
-        assert not b.weight.is_mkldnn and torch.equal(a(x), b(x))
-    params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
-    prompts = [[5, 17, 99, 3], [42] * 20]
-    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (packed, plain))
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].logprobs == w.outputs[0].logprobs
-
-
-def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_hf, monkeypatch):
-    """Every first block gets the same key. A prompt after B0 + Y1 and A0 + X1 that reads B0 + X1 may
-    share B's first block (same tokens, a true hit) but never A's X1 block, computed after A0."""
-    real_hash = BlockAllocator.hash_block
-    monkeypatch.setattr(BlockAllocator, "hash_block", staticmethod(lambda parent, tokens: b"collide" if parent is None else real_hash(parent, tokens)))
-    ids = default_hf[1].encode(PASSAGE)
-    b0, y1, a0, x1, tail = ids[0:16], ids[16:32], ids[100:116], ids[200:216], ids[230:233]
-    assert len(x1) == 16 and len(tail) == 3  # prompts of 35 tokens: two full blocks could come from the cache
-    folder_llm.reset_prefix_cache()
-    params = SamplingParams(max_tokens=8, **GREEDY)
-    try:
-        outs = [folder_llm.generate([p], params, use_tqdm=False)[0] for p in (b0 + y1 + tail, a0 + x1 + tail, b0 + x1 + tail)]
-    finally:
-        folder_llm.reset_prefix_cache()  # no colliding keys left behind for later tests
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 16]  # A's first block collides but its tokens differ: no hit
-    assert outs[2].outputs[0].token_ids == hf_greedy(default_hf[0], b0 + x1 + tail, 8)
-
-
-def test_hash_block_is_a_sha256_chain():
-    key = BlockAllocator.hash_block(None, [1, 2, 3])
-    assert len(key) == 32 and key != BlockAllocator.hash_block(None, [1, 2, 4])
-    assert BlockAllocator.hash_block(key, [5]) != BlockAllocator.hash_block(BlockAllocator.hash_block(None, [1, 2, 4]), [5])
-
-
-def test_budget_below_max_num_seqs_is_rejected():
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
-        EngineConfig(max_num_batched_tokens=4, max_num_seqs=8, device="cpu")
-    assert EngineConfig(max_num_batched_tokens=4, max_num_seqs=4, device="cpu").max_num_seqs == 4
-
-
-def test_smallest_budget_serves_every_sample_every_step(tiny_models):
-    """max_num_batched_tokens == max_num_seqs == n: after the prefill every sample gains a token each step."""
-    llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_num_seqs=4, max_num_batched_tokens=4, num_kv_blocks=32, **CPU)
-    llm.add_request(list(range(100, 110)), SamplingParams(n=4, max_tokens=6, **GREEDY))
-    counts = []
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            counts.append([len(c.token_ids) for c in out.outputs])
-    first = next(i for i, c in enumerate(counts) if len(c) == 4)  # the step that forked the samples
-    for before, after in zip(counts[first:], counts[first + 1 :]):
-        assert all(a == b + 1 for a, b in zip(after, before)), counts
-
-
-def test_cli_busy_port_fails_before_the_model_load():
-    import socket
-
-    with socket.create_server(("127.0.0.1", 0)) as busy:
-        port = busy.getsockname()[1]
-        r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0]
-
-
-def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
-    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--n", "3", "--max-tokens", "2", "--num-kv-blocks", "64", stdin="Hello\n")
-    assert r.returncode == 0, r.stderr
-    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == ["sample 1 of 3)", "sample 2 of 3)", "sample 3 of 3)"]
-    help_text = " ".join(run_cli("--help").stdout.split())  # argparse wraps lines
-    assert "(default: 256)" in help_text and "(default: 2048)" in help_text and "(default: 8000)" in help_text
-    args = nanobatch.build_arg_parser().parse_args([])  # argparse defaults are the dataclasses' defaults
-    config, params = EngineConfig(device="cpu"), SamplingParams()
-    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
-    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
-
-
-def test_cli_server_defaults_are_server_configs():
-    from server import ServerConfig
-
-    args, c = nanobatch.build_arg_parser().parse_args([]), ServerConfig()  # written out in the CLI, which imports server.py only for --serve
-    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (c.host, c.port, c.served_model_name, c.limit_concurrency, c.timeout_keep_alive)
-
-
-def test_engine_import_loads_no_web_stack():
-    code = "import sys, nanobatch; assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
-
-
-# ---- Tests: structured outputs ----
-
-import re
-
-from nanobatch import StructuredOutputsParams
-from server import structured_outputs_from_request
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}  # bounded strings (and items, numbers): every output fits in max_tokens
 SCHEMAS = [  # (what the prompt asks for, JSON schema)
@@ -2606,58 +1203,7 @@ def test_bad_request_fields_name_the_problem(body, message):
         structured_outputs_from_request(body)
 
 
-def test_openai_client_response_format_and_parse(folder_llm):
-    """The official client against --serve (today's start_server): a JSON schema in response_format,
-    beta.chat.completions.parse with a pydantic model, and a 400 that names the problem."""
-    import openai
-    import pydantic
-    from openai import OpenAI
-
-    class Person(pydantic.BaseModel):
-        name: str = pydantic.Field(max_length=40)
-        age: int = pydantic.Field(ge=0, le=120)
-
-    srv, url = start_server(folder_llm, "127.0.0.1", 0)
-    try:
-        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
-        model = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "Give a person as JSON."}]
-        schema = SCHEMAS[7][1]
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give a todo item as JSON."}], max_tokens=200, temperature=0,
-                                              response_format={"type": "json_schema", "json_schema": {"name": "todo", "schema": schema, "strict": True}})
-        assert chat.choices[0].finish_reason == "stop"
-        pytest.importorskip("jsonschema").validate(json.loads(chat.choices[0].message.content), schema)
-        parsed = client.beta.chat.completions.parse(model=model, messages=messages, max_tokens=200, temperature=0, response_format=Person)
-        person = parsed.choices[0].message.parsed
-        assert isinstance(person, Person) and 0 <= person.age <= 120
-        completion = client.completions.create(model=model, prompt="The answer is", max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
-        assert completion.choices[0].text in ["yes", "no"]
-        with pytest.raises(openai.BadRequestError, match="structured_outputs.regex does not compile"):
-            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(["}})
-    finally:
-        srv.stop()
-    assert folder_llm.allocator.num_free_blocks == folder_llm.allocator.num_blocks
-
-
-def test_cli_json_schema_and_regex(tiny_models, tmp_path):
-    """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes sense of it)."""
-    folder = tiny_models["llama-gqa-untied"][0]
-    (tmp_path / "prompts.txt").write_text("Hello\nThe capital of France is\n")
-    (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
-    common = ["--model", folder, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "30", "--num-kv-blocks", "64", "--output", str(tmp_path / "out.jsonl")]
-    for flag, value, check in [("--json-schema", str(tmp_path / "schema.json"), lambda t: isinstance(json.loads(t)["ok"], bool)),
-                               ("--regex", "[0-9]{3}-[a-c]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t))]:
-        r = run_cli(*common, flag, value)
-        assert r.returncode == 0, r.stderr
-        rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert len(rows) == 2 and all(row["finish_reason"] == "stop" and check(row["text"]) for row in rows), rows
-    r = run_cli(*common, "--regex", "a", "--json-schema", str(tmp_path / "schema.json"))
-    assert r.returncode == 1 and r.stderr.strip() == "error: give --json-schema or --regex, not both"
-
-
-# ---- Tests: beam search ----
-
-from nanobatch import BeamSearchParams  # noqa: E402
+# ---- Beam search ----
 
 
 def hf_beams(model, prompt_ids, k, max_new_tokens, eos_ids):
@@ -2806,6 +1352,770 @@ def test_beam_search_bad_input(tiny_llm):
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
+# ---- Bad input: clear errors, and the engine stays usable ----
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n", 0, "SamplingParams.n"),
+        ("temperature", -0.5, "SamplingParams.temperature"),
+        ("top_p", 0.0, "SamplingParams.top_p"),
+        ("top_p", 1.5, "SamplingParams.top_p"),
+        ("top_k", -3, "SamplingParams.top_k"),
+        ("min_p", 2.0, "SamplingParams.min_p"),
+        ("max_tokens", 0, "SamplingParams.max_tokens"),
+        ("stop", [""], "SamplingParams.stop"),
+        ("stop_token_ids", [-1], "SamplingParams.stop_token_ids"),
+        ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
+        ("seed", 1.5, "SamplingParams.seed"),
+        ("seed", -1, "SamplingParams.seed"),
+        ("temperature", float("inf"), "SamplingParams.temperature"),
+        ("top_k", 2**40, "SamplingParams.top_k"),
+        ("logprobs", 100, "SamplingParams.logprobs"),
+        ("prompt_logprobs", 21, "SamplingParams.prompt_logprobs"),
+        ("presence_penalty", 2.5, "SamplingParams.presence_penalty"),
+        ("frequency_penalty", "1", "SamplingParams.frequency_penalty"),
+        ("repetition_penalty", 0, "SamplingParams.repetition_penalty"),
+        ("logit_bias", {-1: 1.0}, "SamplingParams.logit_bias"),
+        ("logit_bias", {5: float("nan")}, "SamplingParams.logit_bias"),
+        ("min_tokens", 17, "SamplingParams.min_tokens"),
+        ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output"),
+        ("skip_special_tokens", None, "SamplingParams.skip_special_tokens"),
+        ("output_kind", "delta", "SamplingParams.output_kind"),
+    ],
+)
+def test_invalid_sampling_params(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu")],
+)
+def test_invalid_engine_config(field, value):
+    with pytest.raises(ValueError, match=field if field != "device" else "device"):
+        EngineConfig(**{field: value})
+
+
+def test_bad_input_leaves_engine_usable(tiny_llm):
+    llm = tiny_llm
+    good = SamplingParams(max_tokens=4, **GREEDY)
+    expected = llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids
+    cases = [
+        (lambda: llm.generate([], good), "no prompts"),
+        (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
+        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: prompt has 5000 tokens, but max_model_len is 1024"),
+        (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
+        (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
+        (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
+        (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
+        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "KV blocks"),
+        (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert not llm.has_unfinished_requests(), "a rejected call queues nothing"
+    assert llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(model="/no/such/model")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(model=str(tmp_path))
+
+
+def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
+    """Rejected from the config alone: the tokenizer and weights never load."""
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the weights before checking max_model_len")
+
+    monkeypatch.setattr(nanobatch, "_load_hf_weights", never)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's limit of 1024"):
+        LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=4096, **CPU)
+
+
+# ---- Kernels: Triton and torch references against a float64 oracle ----
+
+# -- A paged batch and its float64 oracle --
+
+# Sizes: the interpreter costs roughly (programs x key tiles x ops) in numpy
+# calls, so the property tests keep to what still exercises every path: up to 4
+# sequences, queries up to 48 tokens over cached prefixes up to 80 (under 200
+# tokens and 130 positions per sequence: several query blocks and key tiles,
+# cache blocks from 1 token to larger than a key tile), head_dim up to 128, GQA
+# groups 1-8, and 30-60 examples per property. The whole file runs in well under
+# two minutes on 2 CPU cores.
+
+if kernels.TRITON_INTERPRET:
+    DEVICE = "cpu"  # interpreted kernels: CPU tensors, even on a machine with a GPU
+elif torch.cuda.is_available():
+    DEVICE = "cuda"  # compiled kernels
+else:
+    raise RuntimeError("kernels.py was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment")
+needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU with compiled (not interpreted) Triton")
+
+# |got - want| <= ATOL + RTOL * |want|, want in float64 from the same (rounded) inputs
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+GARBAGE_BLOCK_IDS = (-1, -(2**31), 2**31 - 1, 2**20)  # what padded block-table entries may hold
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@dataclass
+class Case:
+    seqs: list  # [(context_len, query_len)] per sequence: seq_len = context_len + query_len
+    block_size: int
+    num_kv_heads: int
+    group: int  # query heads per kv head
+    head_dim: int
+    dtype: torch.dtype
+    seed: int = 0
+    temperature: float = 1.0  # multiplies q: > 1 sharpens the softmax (exercises the running max)
+    q_is_view: bool = False  # q as a strided slice of a wider buffer (like a fused qkv)
+
+
+def build(case):
+    """Dense per-sequence K/V and q, plus the paged cache holding them. Every cache
+    slot the batch does not own is NaN (unreferenced blocks, and slots past seq_len
+    in each last block), padded block-table entries hold garbage ids, and the blocks
+    of each sequence are scattered over the cache in shuffled order."""
+    g = torch.Generator().manual_seed(case.seed)
+    num_heads, D, bs = case.num_kv_heads * case.group, case.head_dim, case.block_size
+    seq_lens = [c + n for c, n in case.seqs]
+    blocks_per_seq = [math.ceil(L / bs) for L in seq_lens]
+    max_blocks = max(blocks_per_seq) + 2  # two padded columns even for the longest sequence
+    num_blocks = sum(blocks_per_seq) + 3  # three never-referenced blocks
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    k_cache = torch.full((num_blocks, bs, case.num_kv_heads, D), float("nan"), dtype=case.dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_tables = torch.empty(len(case.seqs), max_blocks, dtype=torch.int32)
+    ks, vs, qs = [], [], []
+    for s, L in enumerate(seq_lens):
+        own, ids = ids[: blocks_per_seq[s]], ids[blocks_per_seq[s] :]
+        garbage = [GARBAGE_BLOCK_IDS[i] for i in torch.randint(0, len(GARBAGE_BLOCK_IDS), (max_blocks - len(own),), generator=g).tolist()]
+        block_tables[s] = torch.tensor(own + garbage, dtype=torch.int32)
+        k = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)  # (L, Hkv, D)
+        v = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)
+        pos = torch.arange(L)
+        k_cache[block_tables[s, pos // bs].long(), pos % bs] = k
+        v_cache[block_tables[s, pos // bs].long(), pos % bs] = v
+        ks.append(k)
+        vs.append(v)
+        qs.append((case.temperature * torch.randn(case.seqs[s][1], num_heads, D, generator=g)).to(case.dtype))
+    q = torch.cat(qs)  # (num_tokens, H, D)
+    if case.q_is_view:
+        wide = torch.full((q.shape[0], num_heads + 3, D), float("nan"), dtype=case.dtype)
+        wide[:, 1 : num_heads + 1] = q
+        q = wide[:, 1 : num_heads + 1]  # strided: token stride (H + 3) * D
+    q_lens = [n for _, n in case.seqs]
+    query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    meta = dict(block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=query_start_loc)
+    to_dev = lambda t: t.to(DEVICE)  # noqa: E731
+    args = (to_dev(q), to_dev(k_cache), to_dev(v_cache), *(to_dev(t) for t in meta.values()), D**-0.5)
+    return args, (ks, vs, qs)
+
+
+def naive_attention(case, dense):
+    """float64, one sequence at a time, dense causal mask: (num_tokens, H, D)."""
+    outs = []
+    for (context_len, q_len), k, v, q in zip(case.seqs, *dense):
+        k = k.double().repeat_interleave(case.group, dim=1)  # (L, H, D): head h reads kv head h // group
+        v = v.double().repeat_interleave(case.group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k) * case.head_dim**-0.5  # (H, Q, L)
+        q_pos = context_len + torch.arange(q_len)  # position of each query in its sequence
+        visible = torch.arange(context_len + q_len)[None, :] <= q_pos[:, None]  # (Q, L)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    return torch.cat(outs)
+
+
+def check_attention(impl, case):
+    args, dense = build(case)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    got = impl(*args, out=out)
+    assert got is out
+    assert not got.isnan().any(), f"{int(got.isnan().sum())} output elements unwritten or NaN leaked from unused slots"
+    tol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got.cpu().double(), naive_attention(case, dense), rtol=tol, atol=tol)
+
+
+IMPLS = pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu], ids=["triton", "ref", "cpu"])
+
+
+@st.composite
+def cases(draw):
+    num_seqs = draw(st.integers(1, 4))
+    # query_len 1 is decode; context_len > 0 is a cached prefix (prefix cache hit or chunked prefill)
+    seqs = [(draw(st.integers(0, 80)), draw(st.one_of(st.just(1), st.integers(1, 48)))) for _ in range(num_seqs)]
+    num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (3, 3), (2, 4), (2, 7), (1, 8)]))
+    return Case(
+        seqs=seqs,
+        block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32, 64, 128, 256])),  # key tiles are 32 or 64
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=draw(st.sampled_from([16, 32, 64, 128, 8, 24])),  # 8 and 24: padded lanes
+        dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+        seed=draw(st.integers(0, 2**31)),
+        temperature=draw(st.sampled_from([1.0, 4.0])),
+        q_is_view=draw(st.booleans()),
+    )
+
+
+# -- paged_attention: properties --
+
+
+@IMPLS
+@PROPERTY
+@given(case=cases())
+def test_paged_attention_matches_naive(impl, case):
+    check_attention(impl, case)
+
+
+@IMPLS
+@settings(PROPERTY, max_examples=30)  # a narrower space than the main property
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 120), st.just(1)), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 4, 16, 128]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
+def test_paged_attention_decode_only(impl, seqs, block_size, dtype, seed):
+    """A batch of only decodes takes the small-tile launch config."""
+    check_attention(impl, Case(seqs=seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=32, dtype=dtype, seed=seed))
+
+
+# the GQA shapes of real models: 9/3 (SmolLM-135M), 32/8 (Llama-3-8B), 14/2 (Qwen2-0.5B), and MHA
+@IMPLS
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (8, 4, 128), (2, 7, 64), (4, 1, 64)])
+def test_paged_attention_model_shapes(impl, num_kv_heads, group, head_dim):
+    seqs = [(0, 40), (37, 1), (50, 30), (0, 1)]  # prefill, decode, prefix + prefill, first-token decode
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        check_attention(impl, Case(seqs, 16, num_kv_heads, group, head_dim, dtype, seed=7))
+
+
+@IMPLS
+def test_paged_attention_empty_batch(impl):
+    args, _ = build(Case([(3, 2)], 4, 1, 1, 16, torch.float32))
+    q, k_cache, v_cache, _, _, _, scale = args
+    empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    got = impl(q[:0], k_cache, v_cache, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), empty, torch.zeros(1, dtype=torch.int32, device=DEVICE), scale)
+    assert got.shape == (0, 1, 16)
+
+
+# -- store_kv: properties --
+
+
+@pytest.mark.parametrize("impl", [kernels.store_kv_triton, kernels.store_kv_ref], ids=["triton", "ref"])
+@PROPERTY
+@given(
+    num_tokens=st.integers(0, 40),
+    num_kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([8, 16, 24, 64]),
+    block_size=st.sampled_from([1, 2, 3, 16, 64]),
+    spare_blocks=st.integers(0, 3),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
+def test_store_kv_writes_exactly_its_slots(impl, num_tokens, num_kv_heads, head_dim, block_size, spare_blocks, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = math.ceil(num_tokens / block_size) + spare_blocks
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=g).to(dtype)  # k and v: strided views, like a fused qkv
+    k, v = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]  # distinct slots: the engine never writes one twice
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1  # padding tokens: write nothing
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # (num_blocks, block_size, Hkv, D)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    want_k.view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]  # the written slots hold their rows ...
+    want_v.view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep]  # ... every other slot is untouched
+
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    impl(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+
+
+# -- Clear errors --
+
+
+def _attention_args(**change):
+    """Valid arguments for a small batch, with some replaced."""
+    args, _ = build(Case([(5, 3), (0, 1)], 4, 2, 2, 16, torch.float32))
+    names = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "scale")
+    kwargs = dict(zip(names, args))
+    kwargs.update({name: fn(kwargs) for name, fn in change.items()})
+    return kwargs
+
+
+BAD_ATTENTION = {  # what is wrong -> (the change, words the message must contain)
+    "q not 3-D": (dict(q=lambda a: a["q"][0]), "num_tokens, num_heads, head_dim"),
+    "heads do not divide": (dict(q=lambda a: a["q"][:, :3]), "do not fit"),
+    "head_dim differs": (dict(q=lambda a: a["q"][..., :8]), "do not fit"),
+    "caches differ": (dict(v_cache=lambda a: a["v_cache"][:, :2]), "both caches"),
+    "q float64": (dict(q=lambda a: a["q"].double()), "dtype"),
+    "cache dtype differs": (dict(k_cache=lambda a: a["k_cache"].half(), v_cache=lambda a: a["v_cache"].half()), "dtype"),
+    "block_tables int64": (dict(block_tables=lambda a: a["block_tables"].long()), "block_tables must be int32"),
+    "seq_lens int64": (dict(seq_lens=lambda a: a["seq_lens"].long()), "seq_lens must be int32"),
+    "query_start_loc too short": (dict(query_start_loc=lambda a: a["query_start_loc"][:-1]), "disagree on num_seqs"),
+    "out wrong shape": (dict(out=lambda a: torch.empty_like(a["q"][1:])), "out must match q"),
+}
+
+
+@pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu, kernels.paged_attention], ids=["triton", "ref", "cpu", "dispatch"])
+@pytest.mark.parametrize("bad", BAD_ATTENTION, ids=list(BAD_ATTENTION))
+def test_paged_attention_rejects(impl, bad):
+    change, words = BAD_ATTENTION[bad]
+    with pytest.raises(ValueError, match=words):
+        impl(**_attention_args(**change))
+
+
+def test_paged_attention_triton_rejects_what_only_it_cannot_do():
+    wide = torch.zeros(4, 1, 512, device=DEVICE)
+    cache = torch.zeros(2, 4, 1, 512, device=DEVICE)
+    meta = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32))
+    meta = [t.to(DEVICE) for t in meta]
+    with pytest.raises(ValueError, match="head_dim 512"):
+        kernels.paged_attention_triton(wide, cache, cache, *meta, 1.0)
+    strided = torch.zeros(2, 4, 1, 32, 2, device=DEVICE)[..., 0]  # head_dim not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.paged_attention_triton(torch.zeros(4, 1, 32, device=DEVICE), strided, strided, *meta, 1.0)
+
+
+def _store_args(**change):
+    kwargs = dict(
+        k=torch.zeros(3, 2, 16), v=torch.zeros(3, 2, 16), k_cache=torch.zeros(4, 2, 2, 16), v_cache=torch.zeros(4, 2, 2, 16),
+        slot_mapping=torch.tensor([0, 5, -1]),
+    )
+    kwargs.update({name: fn(kwargs) for name, fn in change.items()})
+    return {name: t.to(DEVICE) for name, t in kwargs.items()}
+
+
+BAD_STORE = {
+    "k and v differ": (dict(v=lambda a: a["v"][:2]), "k and v must both be"),
+    "cache heads differ": (dict(k_cache=lambda a: a["k_cache"][:, :, :1], v_cache=lambda a: a["v_cache"][:, :, :1]), "caches must be"),
+    "slot_mapping int32": (dict(slot_mapping=lambda a: a["slot_mapping"].int()), "slot_mapping must be int64"),
+    "slot_mapping short": (dict(slot_mapping=lambda a: a["slot_mapping"][:2]), "slot_mapping must be int64"),
+    "int cache": (dict(k_cache=lambda a: a["k_cache"].long(), v_cache=lambda a: a["v_cache"].long()), "float32, float16 or bfloat16"),
+}
+
+
+@pytest.mark.parametrize("impl", [kernels.store_kv_triton, kernels.store_kv_ref, kernels.store_kv], ids=["triton", "ref", "dispatch"])
+@pytest.mark.parametrize("bad", BAD_STORE, ids=list(BAD_STORE))
+def test_store_kv_rejects(impl, bad):
+    change, words = BAD_STORE[bad]
+    with pytest.raises(ValueError, match=words):
+        impl(**_store_args(**change))
+
+
+# -- Dispatch and the CPU attention path --
+
+
+def test_dispatch_picks_triton_for_cuda_or_the_cpu_switch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, **kw: calls.append("ref"))
+    monkeypatch.setattr(kernels, "store_kv_triton", lambda *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(kernels, "store_kv_ref", lambda *a, **kw: calls.append("ref"))
+    args = _attention_args()
+    for flag in (False, True):
+        monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", flag)
+        calls.clear()
+        kernels.paged_attention(**args)
+        kernels.store_kv(**_store_args())
+        assert calls == ["triton" if DEVICE == "cuda" or flag else "ref"] * 2
+
+
+def test_dispatch_with_cpu_switch_runs_triton_and_matches(monkeypatch):
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
+    case = Case([(20, 5), (9, 1)], 8, 2, 3, 32, torch.float32, seed=3)
+    check_attention(kernels.paged_attention, case)
+
+
+def _run_python(code, interpret, triton_on_cpu=False):
+    """Run code in a fresh interpreter (kernels.py freshly imported) from this directory."""
+    env = {name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "NANOBATCH_TRITON_ON_CPU")}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    if triton_on_cpu:
+        env["NANOBATCH_TRITON_ON_CPU"] = "1"
+    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_without_triton_the_refs_work_and_triton_says_why():
+    code = """
+import sys
+sys.modules["triton"] = None  # as if not installed: `import triton` raises ImportError
+import torch, kernels
+k_cache = torch.zeros(2, 4, 1, 16)
+kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), k_cache, k_cache.clone(), torch.tensor([5]))
+assert k_cache[1, 1].eq(1).all()
+out = kernels.paged_attention(torch.ones(1, 1, 16), k_cache, k_cache, torch.tensor([[0, 1]], dtype=torch.int32),
+                              torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.25)
+assert out.shape == (1, 1, 16)
+try:
+    kernels.paged_attention_triton(torch.ones(1, 1, 16), k_cache, k_cache, torch.tensor([[0, 1]], dtype=torch.int32),
+                                   torch.tensor([6], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.25)
+except RuntimeError as e:
+    assert "triton is not installed" in str(e), e
+else:
+    raise AssertionError("no error")
+"""
+    result = _run_python(code, interpret=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_triton_on_cpu_without_interpreter_says_why():
+    code = """
+import torch, kernels
+assert kernels.USE_TRITON_ON_CPU  # from NANOBATCH_TRITON_ON_CPU=1
+try:
+    kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16), torch.tensor([5]))
+except RuntimeError as e:
+    assert "TRITON_INTERPRET=1" in str(e), e
+else:
+    raise AssertionError("no error")
+"""
+    result = _run_python(code, interpret=False, triton_on_cpu=True)
+    assert result.returncode == 0, result.stderr
+
+
+def contiguous_blocks(args):
+    """The same paged batch with each sequence's blocks renumbered into one contiguous run
+    (the layout a prompt usually gets), so the reference takes its no-copy view path."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    bs = k_cache.shape[1]
+    new_k, new_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    new_tables, next_id = block_tables.clone(), 1  # block 0 stays unused (NaN)
+    for s, L in enumerate(seq_lens.tolist()):
+        n = -(-L // bs)
+        old = block_tables[s, :n].long()
+        new_k[next_id : next_id + n], new_v[next_id : next_id + n] = k_cache[old], v_cache[old]
+        new_tables[s, :n] = torch.arange(next_id, next_id + n, dtype=torch.int32)
+        next_id += n
+    return (q, new_k, new_v, new_tables, seq_lens, query_start_loc, scale)
+
+
+@PROPERTY
+@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans(), loops=st.booleans())
+def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first, loops):
+    """The CPU path's decode rows by compiled loops (bf16 and fp32 caches; fp16 takes the groups)
+    or by torch groups (any group size, down to one sequence each), a plan made ahead (as the
+    engine makes it once per step) or on the spot, and the reference's no-copy view of
+    contiguous blocks all give naive attention, NaN in unused slots included."""
+    args, dense = build(case)
+    if contiguous:
+        args = contiguous_blocks(args)
+    tol = TOLERANCE[case.dtype]
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
+        mp.setattr(kernels, "USE_CPU_LOOPS", loops)
+        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2], q.dtype) if plan_first else None
+        for impl in (kernels.paged_attention_ref, functools.partial(kernels.paged_attention_cpu, plan=plan)):
+            out = torch.full_like(q, float("nan"))
+            impl(*args, out=out)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
+
+
+def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
+    """A plan sends the decode rows to the compiled loops (numba, bf16 or fp32 caches) or to torch
+    groups (fp16, or the loops switched off); where Triton runs, or off the CPU, there is none."""
+    case = Case([(20, 1), (9, 1), (0, 6)], 8, 2, 3, 32, torch.float32, seed=3)
+    args, _ = build(case)
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
+    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+    if kernels._decode_loops(torch.float32) is not None:  # numba installed
+        plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
+        assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+        half = (q.half(), k_cache.half(), v_cache.half(), *args[3:])  # a plan for the loops meets fp16 caches: made again
+        assert torch.equal(kernels.paged_attention_cpu(*half, plan=plan).nan_to_num(), kernels.paged_attention_cpu(*half).nan_to_num())
+    with monkeypatch.context() as mp:  # numba not installed: the torch groups
+        mp.setattr(kernels, "_compile_loops", lambda dtype: None)
+        assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
+    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
+    assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
+    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
+    assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32) is None
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
+    """A key whose score is -inf gets no weight, as in the reference, also when it is a
+    sequence's first key (the loops' running max starts at -inf)."""
+    monkeypatch.setattr(kernels, "USE_CPU_LOOPS", loops)
+    case = Case([(20, 1), (9, 1)], 8, 2, 3, 32, torch.float32, seed=5)
+    args, _ = build(case)
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    q[:, :, 0] = 1.0
+    for seq in range(2):  # every sequence's first key: score -inf for every head
+        k_cache[block_tables[seq, 0], 0, :, 0] = float("-inf")
+    want = kernels.paged_attention_ref(*args)
+    assert want.isfinite().all()
+    torch.testing.assert_close(kernels.paged_attention_cpu(*args), want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
+    """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
+    calls, plans = [], []
+    real_plan, real_attention = kernels._plan, kernels.paged_attention_cpu
+    monkeypatch.setattr(kernels, "_plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
+    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, plan=None, **k: plans.append(plan) or real_attention(*a, plan=plan, **k))
+    tiny_llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY), request_id="plan-1")
+    tiny_llm.step()
+    assert len(calls) == 1 and len(plans) == tiny_llm.model_config.num_layers > 1
+    assert all(p is calls[0] for p in plans)
+    while tiny_llm.has_unfinished_requests():
+        tiny_llm.step()
+
+
+# -- Real compilation, even without a GPU --
+
+# The interpreter accepts things the compiler rejects (tl.dot shapes, dtypes,
+# control flow), so compile both kernels for an H100 (sm_90) with triton's own
+# compiler and ptxas, in a fresh process where TRITON_INTERPRET is unset. Nothing
+# runs; this only proves the kernels build for the launch configs the wrappers use.
+
+def triton_version_is(prefix):
+    try:
+        import triton
+    except ImportError:
+        return False
+    return triton.__version__.startswith(prefix)
+
+
+COMPILE_FOR_SM90 = """
+import triton, torch, kernels
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(fn, pointer_dtype, consts, num_warps):
+    # int arguments that are multiples of 16 and 16-byte aligned pointers, as the launcher would specialize them
+    sig = {name: "constexpr" if name in consts else pointer_dtype(name) if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
+           for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
+    triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+INT_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+for dtype, group, head_dim, block_size, num_tokens in [("fp16", 4, 128, 16, 9), ("fp16", 4, 128, 16, 8), ("bf16", 7, 64, 1, 9), ("fp32", 1, 24, 256, 9)]:
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_q, tile_n = kernels._launch_config(num_tokens, 8, group, head_dim_padded)
+    consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+                  BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, DOT_IN_FP32=dtype == "fp32")
+    build(kernels._paged_attention_kernel, lambda name: INT_PTRS.get(name, "*" + dtype), consts, num_warps=4)
+build(kernels._store_kv_kernel, lambda name: INT_PTRS.get(name, "*bf16"), dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), num_warps=1)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
+def test_kernels_compile_for_sm90():
+    result = _run_python(COMPILE_FOR_SM90, interpret=False)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+# -- CUDA only: real compilation at model sizes --
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_cuda_model_sized_batch(dtype, block_size):
+    """Llama-3-8B heads (32/8, head_dim 128), long cached prefixes, prefills and decodes in one batch."""
+    seqs = [(0, 300), (1500, 1), (700, 129), (2047, 1), (0, 1), (64, 64)]
+    check_attention(kernels.paged_attention, Case(seqs, block_size, 8, 4, 128, dtype, seed=11))
+    decodes = [(n, 1) for n in (1, 17, 513, 2000, 4095)]
+    check_attention(kernels.paged_attention, Case(decodes, block_size, 8, 4, 128, dtype, seed=12))
+
+
+@needs_gpu
+def test_cuda_store_kv_large_slots():
+    """Slots past 2**31 / (Hkv * D) elements: the cache offsets must be int64."""
+    num_blocks, block_size = 2**31 // (16 * 2 * 64) + 8, 16  # the last blocks start past element 2**31
+    k_cache = torch.zeros(num_blocks, block_size, 2, 64, dtype=torch.float16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([num_blocks * block_size - 1, 3], device="cuda")
+    k = torch.randn(2, 2, 64, dtype=torch.float16, device="cuda")
+    kernels.store_kv(k, -k, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[-1, -1], k[0]) and torch.equal(v_cache[0, 3], -k[1])
+
+
+@pytest.mark.skipif(not kernels.TRITON_INTERPRET, reason="on a GPU the engine runs on Triton anyway: see test_cuda_engine_matches_hf_transformers")
+def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypatch):
+    """The whole engine through the Triton kernels (interpreted on CPU) gives the same greedy tokens."""
+    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=32, block_size=8, **CPU)
+    prompts = [list(range(10, 15)), list(range(200, 223)), list(range(500, 541))]  # small: the interpreter is slow
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    calls = []
+    triton_attention = kernels.paged_attention_triton
+    monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append(1) or triton_attention(*a, **kw))
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls, "the Triton kernel was not used"
+    assert got == expected
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
+def test_cuda_engine_matches_hf_transformers(tiny_models, family):
+    """On a GPU: the engine runs through the compiled Triton kernels, fp32, and matches HF greedy."""
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=128, block_size=16)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (3, 40, 150)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16)
+
+
+# ---- Server: HTTP endpoints on a loopback port ----
+
+# -- Fixture, helpers and plain endpoints --
+
+
+SEED_REQUESTS = [  # vLLM's /generate demo requests, as in the seeds
+    {"prompt": "The capital of France is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+    {"prompt": "The largest planet in our solar system is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+    {"prompt": "To be or not to be, that is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+]
+GREEDY_JSON = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory, default_hf):
+    """A tiny random Llama with the default model's tokenizer (vocab 49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama_server")
+    default_hf[1].save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(server_model_dir):
+    llm = LLM(model=server_model_dir, num_kv_blocks=256, max_num_seqs=64, block_size=16, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0)
+    srv.test_url = url
+    yield srv
+    srv.stop()
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks  # stopped: the engine thread is gone, reading is safe
+
+
+def engine_state(server):
+    def read(llm):
+        return {"free": llm.allocator.num_free_blocks, "total": llm.allocator.num_blocks, "busy": llm.has_unfinished_requests(),
+                "output_tokens": llm.stats.num_output_tokens, "steps": llm.stats.num_steps, "peak": llm.stats.peak_blocks_in_use}
+    return server.engine.call(read)
+
+
+def wait_all_blocks_free(server, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = engine_state(server)
+        if state["free"] == state["total"] and not state["busy"]:
+            return state
+        time.sleep(0.02)
+    pytest.fail(f"blocks still in use after {timeout} s: {state}")
+
+
+def connect(server, timeout=60):
+    parts = urlsplit(server.test_url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
+def request(server, method, path, body=None, raw=None):
+    """(status, parsed JSON body) of one request on a fresh connection."""
+    conn = connect(server)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload)
+
+
+def post(server, path, body):
+    return request(server, "POST", path, body)
+
+
+def stream(server, path, body):
+    """The lines of a streamed response (chunked transfer decoded by http.client), blank lines dropped."""
+    conn = connect(server)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    lines = [line.decode().rstrip("\n") for line in resp]
+    conn.close()
+    return resp.getheader("Content-Type"), [line for line in lines if line]
+
+
+def sse_events(lines):
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_health_and_models(server):
+    assert request(server, "GET", "/health") == (200, {"status": "ok"})
+    status, body = request(server, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert body["data"][0]["id"] == os.path.basename(server.engine.llm.config.model) and body["data"][0]["max_model_len"] == 512
+
+
+@pytest.mark.parametrize("seed_request", SEED_REQUESTS, ids=["france", "planet", "hamlet"])
+def test_seed_requests(server, seed_request):
+    status, body = post(server, "/generate", seed_request)
+    assert status == 200 and set(body) == {"text"}
+    [text] = body["text"]
+    assert text.startswith(seed_request["prompt"]) and len(text) > len(seed_request["prompt"])
+
+
+def test_tokenize_detokenize_version(server):
+    text = "Hello, world! Tokens go round and round."
+    status, tokenized = post(server, "/tokenize", {"prompt": text})
+    assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 512
+    assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": text})
+    chat = post(server, "/tokenize", {"messages": CHAT})[1]
+    assert chat["count"] > 2
+    assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
+    assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
+    status, version = request(server, "GET", "/version")
+    assert status == 200 and version["version"] == VERSION
+
+
+# -- /generate (vLLM's demo server) --
+
+
+def test_generate_n_samples_and_logprobs(server):
+    status, body = post(server, "/generate", {"prompt": "Hello, my name is", "n": 3, "temperature": 1.0, "seed": 1,
+                                               "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
+    assert status == 200 and len(body["text"]) == 3 and len(body["logprobs"]) == 3
+    for tokens in body["logprobs"]:
+        assert len(tokens) == 5
+        for t in tokens:
+            assert t["logprob"] <= 0 and t["rank"] >= 1 and len(t["top_logprobs"]) == 2
+            assert [x["rank"] for x in t["top_logprobs"]] == [1, 2] and t["top_logprobs"][0]["logprob"] >= t["logprob"]
+
+
 def test_server_beam_search(server, server_model_dir):
     """/generate with use_beam_search returns the n beams (vLLM's demo shape); /v1/completions takes it as an extra with n beams."""
     llm = LLM(model=server_model_dir, num_kv_blocks=64, block_size=16, **CPU)
@@ -2819,3 +2129,706 @@ def test_server_beam_search(server, server_model_dir):
     status, answer = post(server, "/generate", {"prompt": prompt, "n": 2, "use_beam_search": True, "top_p": 0.5})
     assert status == 400 and "top_p" in answer["error"]["message"]
     wait_all_blocks_free(server)
+
+
+# -- OpenAI endpoints --
+
+
+def test_openai_client(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.test_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    extra = {"extra_body": {"ignore_eos": True}}
+
+    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, **extra)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 6
+    assert len(completion.choices[0].logprobs.tokens) == 6
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True, **extra))
+    assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, **extra)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    assert len(chat.choices[0].logprobs.content) == 6
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}, **extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # include_usage: a last chunk with no choices
+
+
+def openai_client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs, max_tokens 0 (and 1)."""
+    model, _ = default_hf
+    srv, url = start_server(folder_llm, "127.0.0.1", 0, served_model_name="smollm2")
+    try:
+        client = openai_client(url)
+        text = "The quick brown fox jumps over the lazy dog"
+        status, tokenized = post(at_url(url), "/tokenize", {"model": "smollm2", "prompt": text})
+        ids = tokenized["tokens"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # (len, vocab)
+        expected = [logp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+
+        scored = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0)
+        [choice] = scored.choices
+        lp = choice.logprobs
+        assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-4
+        assert all(abs(max(top.values()) - logp[i].max().item()) < 1e-4 for i, top in enumerate(lp.top_logprobs[1:]))
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
+
+        one = client.completions.create(model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0).choices[0]
+        next_id = int(logp[-1].argmax())
+        assert len(one.logprobs.tokens) == len(ids) + 1 and one.text.startswith(text)
+        assert max(abs(a - b) for a, b in zip(one.logprobs.token_logprobs[1:], expected + [logp[-1, next_id].item()])) < 1e-4
+    finally:
+        srv.stop()
+
+
+def test_batched_prompts_via_openai_client(server):
+    client = openai_client(server.test_url)
+    prompts = ["The capital of France is", "One plus one is", "My favourite colour is"]
+    singles = [client.completions.create(model=server.model_name, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts]
+    batch = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [s for s in singles for _ in range(2)]  # choices[i * n + j]
+    assert batch.usage.completion_tokens == 6 * 5
+    token_ids = post(server, "/tokenize", {"prompt": prompts[1]})[1]["tokens"]
+    batch = client.completions.create(model=server.model_name, prompt=[token_ids, token_ids], max_tokens=5, temperature=0)
+    assert [c.text for c in batch.choices] == [singles[1]] * 2
+    streamed = list(client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True))
+    texts = ["".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i) for i in range(3)]
+    assert texts == singles
+    status, body = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})  # vLLM's extra field
+    for choice in body["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
+    assert sum(len(c["prompt_logprobs"]) for c in body["choices"]) == body["usage"]["prompt_tokens"]
+
+
+def test_wrong_model_gets_404(server_model_dir):
+    import openai
+
+    llm = LLM(model=server_model_dir, num_kv_blocks=32, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0, served_model_name="my-model")
+    try:
+        client = openai_client(url)
+        assert [m.id for m in client.models.list().data] == ["my-model"]
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
+            client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
+            client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+
+
+REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
+    ("completions", "suffix", "!"),
+    ("completions", "best_of", 3),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("chat", "use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize("endpoint,field,value", REJECTED, ids=[f"{e}-{f}" for e, f, _ in REJECTED])
+def test_unimplemented_fields_get_400(server, endpoint, field, value):
+    import openai
+
+    client = openai_client(server.test_url)
+    with pytest.raises(openai.BadRequestError, match=f"'{field}' is not supported"):
+        if endpoint == "completions":
+            client.completions.create(model=server.model_name, prompt="hi", max_tokens=2, extra_body={field: value})
+        else:
+            client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
+    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
+
+
+def test_penalties_and_logit_bias_are_applied(server):
+    client = openai_client(server.test_url)
+    token = post(server, "/tokenize", {"prompt": " banana", "add_special_tokens": False})[1]["tokens"][0]
+    forced = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == " banana" * 4
+    penalized = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100},
+                                          presence_penalty=2, frequency_penalty=2, extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 2})
+    assert penalized.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(token): 100},
+                                          presence_penalty=0.5, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == " banana" * 3
+
+
+def test_openai_client_response_format_and_parse(folder_llm):
+    """The official client against --serve (today's start_server): a JSON schema in response_format,
+    beta.chat.completions.parse with a pydantic model, and a 400 that names the problem."""
+    import openai
+    import pydantic
+    from openai import OpenAI
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=40)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    srv, url = start_server(folder_llm, "127.0.0.1", 0)
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Give a person as JSON."}]
+        schema = SCHEMAS[7][1]
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give a todo item as JSON."}], max_tokens=200, temperature=0,
+                                              response_format={"type": "json_schema", "json_schema": {"name": "todo", "schema": schema, "strict": True}})
+        assert chat.choices[0].finish_reason == "stop"
+        pytest.importorskip("jsonschema").validate(json.loads(chat.choices[0].message.content), schema)
+        parsed = client.beta.chat.completions.parse(model=model, messages=messages, max_tokens=200, temperature=0, response_format=Person)
+        person = parsed.choices[0].message.parsed
+        assert isinstance(person, Person) and 0 <= person.age <= 120
+        completion = client.completions.create(model=model, prompt="The answer is", max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+        assert completion.choices[0].text in ["yes", "no"]
+        with pytest.raises(openai.BadRequestError, match="structured_outputs.regex does not compile"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(["}})
+    finally:
+        srv.stop()
+    assert folder_llm.allocator.num_free_blocks == folder_llm.allocator.num_blocks
+
+
+# -- Streaming --
+
+
+def test_generate_stream_is_cumulative_ndjson(server):
+    body = {"prompt": "The future of AI is", "max_tokens": 8, **GREEDY_JSON}
+    content_type, lines = stream(server, "/generate", body)
+    assert content_type == "application/x-ndjson"
+    texts = [json.loads(line)["text"][0] for line in lines]
+    assert len(texts) == 8  # one line per token (each token here decodes to whole characters)
+    assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # each line extends the last
+    assert texts[-1] == post(server, "/generate", body)[1]["text"][0]
+
+
+def test_completions_stream_sse(server):
+    body = {"model": server.model_name, "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
+    status, whole = post(server, "/v1/completions", body)
+    assert status == 200 and whole["object"] == "text_completion"
+    [choice] = whole["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == 8
+    assert choice["logprobs"]["text_offset"][0] == 0 and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert whole["usage"]["completion_tokens"] == 8
+    assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 8
+
+    content_type, lines = stream(server, "/v1/completions", body)
+    events = sse_events(lines)
+    assert content_type == "text/event-stream"
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+
+
+def test_stream_holds_back_a_partial_stop_string(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 24, **GREEDY_JSON}
+    text = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that the greedy output will meet
+    whole = post(server, "/v1/completions", {**body, "stop": stop})[1]["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == text[: text.index(stop)]
+    events = sse_events(stream(server, "/v1/completions", {**body, "stop": stop})[1])
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+
+
+def test_chat_stream_sse(server):
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 2, **GREEDY_JSON}
+    status, whole = post(server, "/v1/chat/completions", body)
+    assert status == 200 and whole["object"] == "chat.completion"
+    [choice] = whole["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6 and all(len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode()) for t in content)
+    assert whole["usage"]["completion_tokens"] == 6
+
+    events = sse_events(stream(server, "/v1/chat/completions", body)[1])
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+
+
+def test_generate_stream_sends_each_logprob_once(server):
+    body = {"prompt": "Count with me: one, two,", "max_tokens": 6, "logprobs": 1, **GREEDY_JSON}
+    lines = [json.loads(line) for line in stream(server, "/generate", body)[1]]
+    streamed = [t for line in lines for t in line["logprobs"][0]]
+    assert len(streamed) == 6 and streamed == post(server, "/generate", body)[1]["logprobs"][0]
+
+
+# -- Batching, sharing, aborts --
+
+
+def test_32_concurrent_clients_match_offline_generate(server):
+    prompts = [f"Request {i}: the most interesting fact about the number {i * 7} is" for i in range(32)]
+    offline = server.engine.call(lambda llm: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False))
+    before = engine_state(server)
+    answers = [None] * len(prompts)
+
+    def client(i):  # half on /generate, half on /v1/completions
+        if i % 2:
+            answers[i] = post(server, "/generate", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["text"][0][len(prompts[i]):]
+        else:
+            answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["choices"][0]["text"]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        for future in [pool.submit(client, i) for i in range(len(prompts))]:
+            future.result(timeout=120)  # a client's exception fails the test here, with its traceback
+    assert answers == [out.outputs[0].text for out in offline]
+    steps = engine_state(server)["steps"] - before["steps"]
+    assert steps < 32 * 8 // 2  # batched: far fewer steps than running the 32 requests one after another
+
+
+def test_n4_shares_the_prompt_blocks(server):
+    prompt = "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms"
+    body = {"max_tokens": 4, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
+    status, shared = post(server, "/v1/completions", {"prompt": prompt, "n": 4, **body})
+    assert status == 200 and sorted(c["index"] for c in shared["choices"]) == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" for c in shared["choices"])
+    peak_shared = engine_state(server)["peak"]
+    num_prompt = shared["usage"]["prompt_tokens"]
+    full, partial = divmod(num_prompt, 16)
+    assert full >= 1 and 0 < partial <= 12  # the 4 output tokens stay in the prompt's last block
+    assert peak_shared == full + 4  # full prompt blocks shared; each sample copies the partial block on write
+
+    # the same work as four separate requests (different prompts, so no prefix-cache hits), admitted in one step:
+    # the engine thread is held in a call until all four are in its inbox
+    server.engine.call(lambda llm: setattr(llm, "stats", EngineStats()))
+    entered, release = threading.Event(), threading.Event()
+    hold = threading.Thread(target=server.engine.call, args=(lambda llm: (entered.set(), release.wait(60)),))
+    hold.start()
+    assert entered.wait(10)
+    separate = [None] * 4
+
+    def client(i):
+        separate[i] = post(server, "/v1/completions", {"prompt": f"{i}{i} " + prompt, **body})[1]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.engine.inbox.qsize() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.engine.inbox.qsize() == 4, "the four requests must wait in the inbox together"
+    release.set()
+    for t in threads + [hold]:
+        t.join(60)
+        assert not t.is_alive()
+    assert all(-(-s["usage"]["prompt_tokens"] // 16) == full + 1 for s in separate)
+    assert engine_state(server)["peak"] == 4 * (full + 1) > peak_shared
+    wait_all_blocks_free(server)
+
+
+@pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
+def test_client_disconnect_aborts_and_frees_blocks(server, path, streamed):
+    before = engine_state(server)
+    num_aborts = server.engine.num_client_aborts
+    body = {"max_tokens": 480, "stream": streamed, **GREEDY_JSON}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "Tell me a long story."})
+    conn = connect(server)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    if streamed:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()  # the first tokens arrived
+    else:
+        deadline = time.monotonic() + 10
+        while engine_state(server)["output_tokens"] == before["output_tokens"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it runs
+    conn.sock.close()  # hang up mid-request
+    conn.close()
+    after = wait_all_blocks_free(server)
+    assert server.engine.num_client_aborts == num_aborts + 1
+    assert after["output_tokens"] - before["output_tokens"] < 480  # it stopped early
+    assert post(server, "/generate", {"prompt": "still there?", "max_tokens": 2})[0] == 200
+
+
+# -- Bad requests --
+
+
+TOO_LONG = "word " * 600  # over max_model_len 512
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must contain)
+    ("/generate", b"{not json", "not valid JSON"),
+    ("/generate", b"[1, 2]", "JSON object"),
+    ("/generate", b"\xff\xfe", "not valid JSON"),
+    ("/generate", {"max_tokens": 4}, "'prompt' is required"),
+    ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
+    ("/generate", {"prompt": ""}, "prompt is empty"),
+    ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
+    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens': Input should be a valid integer"),
+    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
+    ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
+    ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
+    ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
+    ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
+    ("/v1/completions", {"model": "x"}, "'prompt' is required"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
+    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
+    ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage'"),
+    ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
+]
+
+
+@pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
+    status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert words in answer["error"]["message"], answer
+    assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
+
+
+def test_unknown_path_and_wrong_method(server):
+    status, answer = request(server, "POST", "/v2/nothing", {"prompt": "hi"})
+    assert status == 404 and "no such endpoint" in answer["error"]["message"]
+    status, answer = request(server, "GET", "/generate")
+    assert status == 405 and "takes POST" in answer["error"]["message"]
+    conn = connect(server)
+    conn.request("GENERATE", "/generate", body=b"{}")  # an odd verb reaches no endpoint
+    assert conn.getresponse().status == 405
+    conn.close()
+    assert wait_all_blocks_free(server)["busy"] is False
+
+
+def test_keep_alive_connection_survives_errors(server):
+    conn = connect(server)
+    for raw, status in [(b"{bad", 400), (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 400), (json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), 200)]:
+        conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == status and json.loads(resp.read())
+    conn.request("POST", "/generate", body=b"")
+    resp = conn.getresponse()
+    assert resp.status == 400 and "empty" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+
+
+def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
+    def break_next_step(llm):
+        real_step = llm.step
+
+        def broken():
+            del llm.step  # back to the real method
+            real_step()  # schedules and allocates, as a real failure mid-step would have
+            raise RuntimeError("simulated failure")
+        llm.step = broken
+
+    server.engine.call(break_next_step)
+    status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
+    assert status == 500 and answer["error"]["type"] == "internal_server_error"
+    assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
+    wait_all_blocks_free(server)
+    assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud800b"}', b'{"prompt": "' + b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+                         ids=["lone-surrogate", "deep-nesting-open", "deep-nesting"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_surrogates_and_deep_nesting_get_400(server, raw, path):
+    status, answer = request(server, "POST", path, raw=raw)
+    assert status == 400 and "not valid JSON" in answer["error"]["message"] and len(answer["error"]["message"]) < 200
+
+
+# -- Metrics --
+
+
+def metric_values(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = connect(server)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    values = {}
+    for family in text_string_to_metric_families(resp.read().decode()):
+        for sample in family.samples:
+            assert sample.labels["model_name"] == server.model_name
+            values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
+    conn.close()
+    return values
+
+
+def test_metrics_count_the_requests_sent(server):
+    wait_all_blocks_free(server)
+    before = metric_values(server)
+    prompts = ["Metrics one", "Metrics number two", "And a third prompt for metrics"]
+    num_prompt = 0
+    for p in prompts:
+        status, body = post(server, "/v1/completions", {"prompt": p, "max_tokens": 3, **GREEDY_JSON})
+        num_prompt += body["usage"]["prompt_tokens"]
+    after = metric_values(server)
+
+    def delta(name, reason=None):
+        return after[(name, reason)] - before.get((name, reason), 0)
+
+    assert delta("vllm:prompt_tokens_total") == num_prompt
+    assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
+    assert delta("vllm:generation_tokens_total") == 3 * 3
+    assert delta("vllm:request_success_total", "length") == 3
+    for histogram in ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"]:
+        assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
+    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
+    assert after[("vllm:kv_cache_usage_perc", None)] == after[("vllm:gpu_cache_usage_perc", None)] == 0
+
+
+# -- The HTTP stack (uvicorn): connections, framing, logs --
+
+
+def raw_exchange(server, data, wait=2.0):
+    """Send raw bytes on a fresh connection; everything the server answers until it closes or goes quiet."""
+    import socket
+
+    parts = urlsplit(server.test_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=wait) as sock:
+        sock.sendall(data)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return answer
+
+
+def test_idle_and_slow_connections_are_cut_and_requests_still_answered(server_model_dir):
+    """300 sockets that send nothing or a byte every 0.3 s, past a concurrency limit of 32: uvicorn
+    answers 503 at once past the limit, the head deadline cuts them all within a second or two,
+    a normal request then gets its 200, and sockets and threads come back down."""
+    import socket
+
+    llm = LLM(model=server_model_dir, num_kv_blocks=64, max_num_seqs=8, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0, limit_concurrency=32, timeout_keep_alive=1)
+    address = urlsplit(url).hostname, urlsplit(url).port
+
+    def num_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    threads_before, fds_before = threading.active_count(), num_fds()
+    idle = [socket.create_connection(address, timeout=10) for _ in range(150)]
+    slow = [socket.create_connection(address, timeout=10) for _ in range(150)]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.3):
+            for s in slow:
+                try:
+                    s.send(b"P")
+                except OSError:
+                    pass
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        start, statuses = time.monotonic(), []
+        while time.monotonic() - start < 10 and 200 not in statuses:
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection(*address, timeout=10)
+            conn.request("POST", "/generate", body=json.dumps({"prompt": "hi", "max_tokens": 2}))
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            statuses.append(resp.status)
+            assert time.monotonic() - t0 < 5  # every answer (503 or 200) comes at once
+            time.sleep(0.1)
+        assert statuses[-1] == 200 and set(statuses) <= {200, 503} and time.monotonic() - start < 5, statuses
+        for s in idle + slow:  # the server closed every one of them
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:  # a slow socket that sent after the close
+                pass
+    finally:
+        stop.set()
+        trickler.join()
+        for s in idle + slow:
+            s.close()
+    deadline = time.monotonic() + 10
+    while (num_fds() > fds_before + 2 or threading.active_count() > threads_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert num_fds() <= fds_before + 2 and threading.active_count() <= threads_before
+    assert post(at_url(url), "/generate", {"prompt": "again", "max_tokens": 2})[0] == 200
+    srv.stop()
+
+
+def at_url(test_url):
+    """A stand-in for the server fixture, for the helpers above, on another server."""
+    import types
+
+    return types.SimpleNamespace(test_url=test_url)
+
+
+def test_framing_is_strict(server):
+    before = engine_state(server)["output_tokens"]
+    smuggled = b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 35\r\n\r\n{"prompt": "evil", "max_tokens": 5}'
+    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
+                          + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 4" not in answer  # the GET's body is its body, not a request
+    assert engine_state(server)["output_tokens"] == before  # nothing was generated for the smuggled POST
+
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400")
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400")
+    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 200")  # chunked request bodies are framed correctly
+    assert engine_state(server)["output_tokens"] == before + 2
+
+    # an HTTP/1.0 client gets its stream delimited by the connection close, not chunked
+    body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_JSON}).encode()
+    answer = raw_exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), wait=30)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+    assert len(payload.splitlines()) == 3 and all(json.loads(line)["text"] for line in payload.splitlines())
+
+
+def test_client_hang_ups_log_no_tracebacks(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    conn = connect(server)  # an idle keep-alive connection closed by its client
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    conn.close()
+    conn = connect(server)  # a body cut short
+    conn.putrequest("POST", "/generate")
+    conn.putheader("Content-Length", "1000")
+    conn.endheaders(b'{"prompt": ')
+    conn.close()
+    conn = connect(server)  # a stream hung up after its first line
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, **GREEDY_JSON}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline()
+    conn.sock.close()
+    conn.close()
+    wait_all_blocks_free(server)
+    assert post(server, "/generate", {"prompt": "still fine?", "max_tokens": 2})[0] == 200
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not noisy, [r.getMessage() for r in noisy]
+
+
+def test_access_log_one_line_per_request_quiet_for_probes(server, caplog):
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    for path in ["/health", "/metrics", "/version", "/v1/models"]:
+        conn = connect(server)
+        conn.request("GET", path)
+        assert conn.getresponse().status == 200
+        conn.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert len(lines) == 2 and "/version" in lines[0] and "/v1/models" in lines[1], lines
+
+
+# ---- CLI ----
+
+
+def run_cli(*args, stdin=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*args, "--device", "cpu", "--dtype", "float32"]  # compared with fp32 engines
+    return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cli_runs_prompts_and_writes_jsonl(tiny_models, tiny_llm, tmp_path):
+    folder = tiny_models["llama-gqa-untied"][0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello, my name is\n\nThe capital of France is\n")
+    out = tmp_path / "out.jsonl"
+    r = run_cli("--model", folder, "--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", str(out), "--num-kv-blocks", "64")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == ["Hello, my name is", "The capital of France is"]
+    expected = tiny_llm.generate([row["prompt"] for row in rows], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    assert [row["token_ids"] for row in rows] == [o.outputs[0].token_ids for o in expected]
+    assert all(row["finish_reason"] == "length" for row in rows)
+    summary = r.stdout.strip().splitlines()[-1]
+    assert summary.startswith("requests: 2, prompt tokens:") and "output tokens: 12" in summary and "output tokens/s" in summary
+
+
+def test_cli_reads_stdin_with_chat_template(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--chat", "--max-tokens", "3", "--quiet", "--num-kv-blocks", "64", stdin="What is 2+2?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("requests: 1, prompt tokens:")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompts", "/no/such/file.txt"], "prompts file '/no/such/file.txt' does not exist"),
+        (["--model", "/no/such/model", "--prompts", "EMPTY"], "has no prompts"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS"], "model path '/no/such/model' does not exist"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "SamplingParams.top_p"),
+    ],
+)
+def test_cli_errors_are_one_clear_line(tmp_path, args, message):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    args = [str(tmp_path / "empty.txt") if a == "EMPTY" else str(tmp_path / "prompts.txt") if a == "PROMPTS" else a for a in args]
+    r = run_cli(*args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_cli_busy_port_fails_before_the_model_load():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0]
+
+
+def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--n", "3", "--max-tokens", "2", "--num-kv-blocks", "64", stdin="Hello\n")
+    assert r.returncode == 0, r.stderr
+    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == ["sample 1 of 3)", "sample 2 of 3)", "sample 3 of 3)"]
+    help_text = " ".join(run_cli("--help").stdout.split())  # argparse wraps lines
+    assert "(default: 256)" in help_text and "(default: 2048)" in help_text and "(default: 8000)" in help_text
+    args = nanobatch.build_arg_parser().parse_args([])  # argparse defaults are the dataclasses' defaults
+    config, params = EngineConfig(device="cpu"), SamplingParams()
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
+    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
+
+
+def test_cli_server_defaults_are_server_configs():
+    from server import ServerConfig
+
+    args, c = nanobatch.build_arg_parser().parse_args([]), ServerConfig()  # written out in the CLI, which imports server.py only for --serve
+    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (c.host, c.port, c.served_model_name, c.limit_concurrency, c.timeout_keep_alive)
+
+
+def test_cli_json_schema_and_regex(tiny_models, tmp_path):
+    """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes sense of it)."""
+    folder = tiny_models["llama-gqa-untied"][0]
+    (tmp_path / "prompts.txt").write_text("Hello\nThe capital of France is\n")
+    (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    common = ["--model", folder, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "30", "--num-kv-blocks", "64", "--output", str(tmp_path / "out.jsonl")]
+    for flag, value, check in [("--json-schema", str(tmp_path / "schema.json"), lambda t: isinstance(json.loads(t)["ok"], bool)),
+                               ("--regex", "[0-9]{3}-[a-c]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t))]:
+        r = run_cli(*common, flag, value)
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(row["finish_reason"] == "stop" and check(row["text"]) for row in rows), rows
+    r = run_cli(*common, "--regex", "a", "--json-schema", str(tmp_path / "schema.json"))
+    assert r.returncode == 1 and r.stderr.strip() == "error: give --json-schema or --regex, not both"
