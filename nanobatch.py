@@ -1330,73 +1330,70 @@ def _as_list(x):
 # ---- Validation: bad settings get an error that names them ----
 
 
+def check_fields(obj, prefix, rules):
+    """rules: (field, ok(value), what it must be); the first field that breaks its rule raises."""
+    for name, ok, rule in rules:
+        if not ok(getattr(obj, name)):
+            raise ValueError(f"{prefix}{name} {rule}, got {getattr(obj, name)!r}")
+
+
+def _int(v):  # True is an int to Python, not to a user
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _token_ids(ids):
+    return all(_int(t) and t >= 0 for t in ids)
+
+
 def check_engine_config(c: EngineConfig):
-    if not (isinstance(c.block_size, int) and 1 <= c.block_size <= 256 and c.block_size & (c.block_size - 1) == 0):
-        raise ValueError(f"block_size must be a power of two from 1 to 256, got {c.block_size!r}")
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if not (isinstance(getattr(c, name), int) and getattr(c, name) >= 1):
-            raise ValueError(f"{name} must be a positive integer, got {getattr(c, name)!r}")
+    positive_or_none = lambda v: v is None or (_int(v) and v >= 1)  # noqa: E731
+    check_fields(c, "", [
+        ("block_size", lambda v: _int(v) and 1 <= v <= 256 and v & (v - 1) == 0, "must be a power of two from 1 to 256"),
+        ("max_num_seqs", lambda v: _int(v) and v >= 1, "must be a positive integer"),
+        ("max_num_batched_tokens", lambda v: _int(v) and v >= 1, "must be a positive integer"),
+        ("max_model_len", positive_or_none, "must be a positive integer or None"),
+        ("num_kv_blocks", positive_or_none, "must be a positive integer or None"),
+        ("kv_cache_memory_bytes", positive_or_none, "must be a positive integer or None"),
+        ("gpu_memory_utilization", lambda v: _num(v) and 0 < v <= 1, "must be in (0, 1]"),
+        ("dtype", lambda v: v == "auto" or v in DTYPES, f"must be 'auto' or one of {sorted(DTYPES)}"),
+    ])
     if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
         raise ValueError(f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs}): "
                          "every running sequence needs a token of the step budget")
-    for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
-        value = getattr(c, name)
-        if value is not None and not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    if not (isinstance(c.gpu_memory_utilization, (int, float)) and 0 < c.gpu_memory_utilization <= 1):
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization!r}")
-    if c.dtype != "auto" and c.dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {c.dtype!r}")
 
 
 def check_sampling_params(p: SamplingParams):
-    def bad(name, rule):
-        raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(p, name)!r}")
-
-    number = (int, float)
-    if not isinstance(p.n, int) or isinstance(p.n, bool) or p.n < 1:
-        bad("n", "must be an integer >= 1")
-    if not isinstance(p.temperature, number) or not 0 <= float(p.temperature) < math.inf:
-        bad("temperature", "must be a finite number >= 0 (0 means greedy)")
-    if not isinstance(p.top_p, number) or not 0 < p.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if not isinstance(p.top_k, int) or isinstance(p.top_k, bool) or not -1 <= p.top_k < 2**31:
-        bad("top_k", "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it")
-    if not isinstance(p.min_p, number) or not 0 <= p.min_p <= 1:
-        bad("min_p", "must be in [0, 1]")
-    if p.max_tokens is not None and (not isinstance(p.max_tokens, int) or isinstance(p.max_tokens, bool) or p.max_tokens < 1):
-        bad("max_tokens", "must be an integer >= 1 or None")
-    if isinstance(p.stop, str):
-        p.stop = [p.stop]
-    p.stop = list(p.stop or [])
-    if not all(isinstance(s, str) and s for s in p.stop):
-        bad("stop", "must be a non-empty string or a list of them")
-    p.stop_token_ids = list(p.stop_token_ids or [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p.stop_token_ids):
-        bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
-    if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
-        bad("seed", "must be an integer from 0 to 2**63 - 1, or None")
-    if p.logprobs is not None and (not isinstance(p.logprobs, int) or isinstance(p.logprobs, bool) or not 0 <= p.logprobs <= 20):
-        bad("logprobs", "must be an integer from 0 to 20 or None")
-    if p.prompt_logprobs is not None and (not isinstance(p.prompt_logprobs, int) or isinstance(p.prompt_logprobs, bool) or not 0 <= p.prompt_logprobs <= 20):
-        bad("prompt_logprobs", "must be an integer from 0 to 20 or None")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not isinstance(getattr(p, name), number) or not -2 <= getattr(p, name) <= 2:
-            bad(name, "must be a number from -2 to 2")
-    if not isinstance(p.repetition_penalty, number) or not 0 < p.repetition_penalty < math.inf:
-        bad("repetition_penalty", "must be a finite number > 0 (1 means none)")
-    p.logit_bias = dict(p.logit_bias or {})
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, number) and math.isfinite(b) for t, b in p.logit_bias.items()):
-        bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
-    if not isinstance(p.min_tokens, int) or isinstance(p.min_tokens, bool) or p.min_tokens < 0 or p.min_tokens > (p.max_tokens or math.inf):
-        bad("min_tokens", "must be an integer >= 0 and at most max_tokens")
-    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-        if not isinstance(getattr(p, name), bool):
-            bad(name, "must be a bool")
-    if p.output_kind not in ("cumulative", "final_only"):
-        bad("output_kind", "must be 'cumulative' or 'final_only'")
-    if p.structured_outputs is not None and not isinstance(p.structured_outputs, StructuredOutputsParams):
-        bad("structured_outputs", "must be a StructuredOutputsParams or None")
+    p.stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    p.stop_token_ids, p.logit_bias = list(p.stop_token_ids or []), dict(p.logit_bias or {})
+    logprobs_rule = lambda v: v is None or (_int(v) and 0 <= v <= 20)  # noqa: E731
+    check_fields(p, "SamplingParams.", [
+        ("n", lambda v: _int(v) and v >= 1, "must be an integer >= 1"),
+        ("temperature", lambda v: _num(v) and 0 <= v < math.inf, "must be a finite number >= 0 (0 means greedy)"),
+        ("top_p", lambda v: _num(v) and 0 < v <= 1, "must be in (0, 1]"),
+        ("top_k", lambda v: _int(v) and -1 <= v < 2**31, "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it"),
+        ("min_p", lambda v: _num(v) and 0 <= v <= 1, "must be in [0, 1]"),
+        ("max_tokens", lambda v: v is None or (_int(v) and v >= 1), "must be an integer >= 1 or None"),
+        ("stop", lambda v: all(isinstance(s, str) and s for s in v), "must be a non-empty string or a list of them"),
+        ("stop_token_ids", _token_ids, "must be a list of token ids (integers >= 0)"),
+        ("seed", lambda v: v is None or (_int(v) and 0 <= v < 2**63), "must be an integer from 0 to 2**63 - 1, or None"),
+        ("logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
+        ("prompt_logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
+        ("presence_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
+        ("frequency_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
+        ("repetition_penalty", lambda v: _num(v) and 0 < v < math.inf, "must be a finite number > 0 (1 means none)"),
+        ("logit_bias", lambda v: _token_ids(v) and all(_num(b) and math.isfinite(b) for b in v.values()),
+         "must map token ids (integers >= 0) to finite numbers"),
+        ("min_tokens", lambda v: _int(v) and 0 <= v <= (p.max_tokens or math.inf), "must be an integer >= 0 and at most max_tokens"),
+        ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
+        ("include_stop_str_in_output", lambda v: isinstance(v, bool), "must be a bool"),
+        ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a bool"),
+        ("output_kind", lambda v: v in ("cumulative", "final_only"), "must be 'cumulative' or 'final_only'"),
+        ("structured_outputs", lambda v: v is None or isinstance(v, StructuredOutputsParams), "must be a StructuredOutputsParams or None"),
+    ])
     if p.top_k == -1:
         p.top_k = 0
 
@@ -1797,19 +1794,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # a finished beam scores cum_logprob / output_len ** length_penalty
 
     def __post_init__(self):
-        def bad(name, rule):
-            raise ValueError(f"BeamSearchParams.{name} {rule}, got {getattr(self, name)!r}")
-
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                bad(name, "must be an integer >= 1")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
-            bad("temperature", "must be a finite number >= 0")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
-            bad("length_penalty", "must be a finite number")
+        check_fields(self, "BeamSearchParams.", [
+            ("beam_width", lambda v: _int(v) and v >= 1, "must be an integer >= 1"),
+            ("max_tokens", lambda v: _int(v) and v >= 1, "must be an integer >= 1"),
+            ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
+            ("temperature", lambda v: _num(v) and 0 <= v < math.inf, "must be a finite number >= 0"),
+            ("length_penalty", lambda v: _num(v) and math.isfinite(v), "must be a finite number"),
+        ])
 
     def sampling_params(self):
         """What the scheduler sees: beam_width seats, the beams' length limit."""
