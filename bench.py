@@ -58,6 +58,13 @@ enable_gqa=True), Qwen3-0.6B's heads (16 query, 8 kv, head_dim 128), block_size 
 decode 64 sequences x 1024 context and prefill 8 x 512 new tokens (causal) in bf16, timed with CUDA events
 (median), with GB/s of K/V read (decode), TFLOP/s (prefill) and the largest output difference. On a CPU:
 smaller shapes in fp32, with the engine's CPU path (paged_attention_cpu) in the Triton kernel's place.
+On a GPU it also times a decode of 2 sequences x 16k context three ways: split-KV (the kernel's own choice),
+unsplit (segments=1) and SDPA.
+
+--kernels --static needs no GPU: it compiles every config of the attention kernel (and the split-KV merge)
+for sm_75/80/86/89/90 x fp16/bf16/fp32 x head_dim 64/128/256 x GQA 1/4/8 x decode/prefill/split with
+Triton's compiler and the wheel's ptxas, and prints registers, spill bytes and shared memory against each
+arch's limit (compile-time facts, not timings); exit status 1 if any config spills or overflows.
 
 Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Kernels | Report | CLI
 
@@ -67,6 +74,7 @@ Run:  python bench.py                                    (the random workload, f
       python bench.py --workload beam --beam-width 4       (beam search: nanobatch next to HF's)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
+      python bench.py --kernels --static --json static.json  (every kernel config compiled for sm_75-sm_90, no GPU)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
 """
 

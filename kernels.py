@@ -9,7 +9,12 @@ nanobatch.py calls.
         causal attention of the new tokens over everything cached for their sequence
         (prefill, prefill over a cached prefix and decode, mixed freely in one batch)
 
-    store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)
+    store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1); decode
+                                               batches too small for the GPU split their keys (split-KV)
+    tile_config / num_segments                 the kernel's tiles per (arch, dtype, head_dim, phase) and its
+                                               split-KV segments, from shapes alone
+    compile_static                             the kernel compiled for any NVIDIA arch on a CPU: registers,
+                                               spill bytes, shared memory (bench.py --kernels --static)
     store_kv_ref / paged_attention_ref         plain torch, any device: the rule itself, one sequence at a time
     paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
                                                decode rows as compiled loops (numba) or batched torch ops
@@ -55,7 +60,8 @@ path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
 RuntimeError that says so.
 
 Sections, in reading order: imports and switches / shape checks / plain-torch references (the
-rule itself) / Triton store_kv / Triton paged_attention / dispatch (what nanobatch.py calls,
+rule itself) / Triton store_kv / Triton paged_attention (and the split-KV merge) / tiles per GPU and when
+to split, with the wrapper / compiled for any GPU on a CPU / dispatch (what nanobatch.py calls,
 plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
 the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
 argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype, weight packing,
@@ -474,12 +480,16 @@ MIN_SEGMENT_KEYS = 256  # split-KV: fewest keys a segment is worth (the upper bo
 def tile_config(cc, dtype, head_dim_padded, group, phase):
     """-> (BLOCK_M, TILE_N, num_warps) for compute capability cc (80 = sm_80), the caches' torch dtype,
     head_dim padded to a power of two >= 16, the GQA group and phase "decode", "split" or "prefill". The arch
-    matters only before sm_80 today: the tensor-core tiles fit sm_86/89's 101,376 B of shared memory, so
-    sm_80/90 take the same ones (larger tiles there would want timing on those GPUs to justify them)."""
+    matters little today: before sm_80 (no mma path), and one warp count on sm_80. The tensor-core tiles fit
+    sm_86/89's 101,376 B of shared memory, so sm_80/90 take the same ones (larger tiles there would want
+    timings on those GPUs to justify them)."""
     if dtype == torch.float32 or cc < 80:  # tl.dot as FMAs: fp32 (IEEE), and 16-bit before sm_80 (Triton's mma needs sm_80)
         tile_n = 32 if head_dim_padded <= 64 and phase != "prefill" else 16
         # more threads share the (16, head_dim) accumulator as it widens: at 4 warps ptxas spills from head_dim 128
-        return max(16, triton.next_power_of_2(group)), tile_n, max(4, head_dim_padded // 16)
+        num_warps = max(4, head_dim_padded // 16)
+        if cc == 80 and head_dim_padded == 128:
+            num_warps = 16  # ptxas spills 16 B at 8 warps there (fp32 split, GQA 1); on sm_90 it spills at 16
+        return max(16, triton.next_power_of_2(group)), tile_n, num_warps
     if phase == "prefill":  # 64 rows reuse each K/V tile; head_dim 256 needs 8 warps not to spill
         block_m, tile_n, num_warps = 64, 16 if head_dim_padded > 128 else 32, 8 if head_dim_padded > 128 else 4
     else:  # decode and split: one token a program
