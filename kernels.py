@@ -73,6 +73,9 @@ import contextlib
 import functools
 import math
 import os
+import re
+import subprocess
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -602,10 +605,8 @@ _POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_st
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _ptxas_usage(ptx, cc):
+def _ptxas_usage(ptx):
     """(registers, spill bytes stored + loaded) of one kernel's PTX, from the wheel's ptxas -v."""
-    import re, subprocess, tempfile
-
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")  # the newest PTX ISA
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
@@ -620,7 +621,7 @@ def _ptxas_usage(ptx, cc):
 
 def _compile_for(fn, cc, dtype, consts, num_warps):
     """One kernel compiled for compute capability cc: (registers, spill bytes, shared bytes)."""
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import GPUTarget  # here, not at the top: kernels.py imports without triton
     from triton.compiler import ASTSource
 
     sig = {name: "constexpr" if name in consts else _POINTER_DTYPES.get(name, "*" + dtype) if name.endswith("_ptr")
@@ -628,7 +629,7 @@ def _compile_for(fn, cc, dtype, consts, num_warps):
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     compiled = triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))
-    return (*_ptxas_usage(compiled.asm["ptx"], cc), compiled.metadata.shared)
+    return (*_ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
 
 
 def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
