@@ -58,6 +58,13 @@ enable_gqa=True), Qwen3-0.6B's heads (16 query, 8 kv, head_dim 128), block_size 
 decode 64 sequences x 1024 context and prefill 8 x 512 new tokens (causal) in bf16, timed with CUDA events
 (median), with GB/s of K/V read (decode), TFLOP/s (prefill) and the largest output difference. On a CPU:
 smaller shapes in fp32, with the engine's CPU path (paged_attention_cpu) in the Triton kernel's place.
+On a GPU it also times a decode of 2 sequences x 16k context three ways: split-KV (the kernel's own choice),
+unsplit (segments=1) and SDPA.
+
+--kernels --static needs no GPU: it compiles every config of the attention kernel (and the split-KV merge)
+for sm_75/80/86/89/90 x fp16/bf16/fp32 x head_dim 64/128/256 x GQA 1/4/8 x decode/prefill/split with
+Triton's compiler and the wheel's ptxas, and prints registers, spill bytes and shared memory against each
+arch's limit (compile-time facts, not timings); exit status 1 if any config spills or overflows.
 
 Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Kernels | Report | CLI
 
@@ -67,6 +74,7 @@ Run:  python bench.py                                    (the random workload, f
       python bench.py --workload beam --beam-width 4       (beam search: nanobatch next to HF's)
       python bench.py --num-requests 8 --max-output-len 16 --systems nanobatch,hf-generate --json out.json
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
+      python bench.py --kernels --static --json static.json  (every kernel config compiled for sm_75-sm_90, no GPU)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
 """
 
@@ -75,6 +83,7 @@ import atexit
 import copy
 import ctypes
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -870,7 +879,7 @@ KERNEL_HEADS = dict(num_heads=QWEN3_0_6B_SHAPE["num_attention_heads"], num_kv_he
 # (num_seqs, seq_len) by device. decode: one new token per sequence, seq_len keys (it included);
 # prefill: seq_len new tokens per sequence, nothing cached, causal. The CPU shapes keep the mode to seconds.
 KERNEL_SHAPES = {
-    "cuda": dict(decode=(64, 1024), prefill=(8, 512)),
+    "cuda": dict(decode=(64, 1024), prefill=(8, 512), split=(2, 16384)),  # split: a decode too small to fill the GPU
     "cpu": dict(decode=(8, 256), prefill=(2, 128)),
 }
 KERNEL_WARMUP = 3  # untimed runs first: the first compiles the Triton kernel (and autotunes nothing: one config)
@@ -881,7 +890,7 @@ L2_FLUSH_BYTES = 256 << 20  # zeroed before every timed CUDA run: more than any 
 @dataclass
 class KernelTiming:
     kernel: str  # what ran: the paged kernel's name, or "sdpa (backend)"
-    case: str  # "decode" or "prefill"
+    case: str  # "decode", "prefill" or "split" (a decode of a few long sequences: split-KV, unsplit and SDPA)
     num_seqs: int
     seq_len: int  # keys of each sequence (cached + new)
     q_len: int  # new tokens of each sequence: 1 (decode) or seq_len (prefill)
@@ -1008,8 +1017,9 @@ def attention_work(num_seqs, seq_len, q_len, element_size):
 
 
 def time_attention(case, num_seqs, seq_len, device, dtype) -> list[KernelTiming]:
-    """One shape: the paged kernel and SDPA on the same q, K, V; a row for each."""
-    q_len = 1 if case == "decode" else seq_len
+    """One shape: the paged kernel and SDPA on the same q, K, V; a row for each. case "split" (a decode of
+    a few long sequences) also times the kernel with split-KV turned off (segments=1)."""
+    q_len = seq_len if case == "prefill" else 1
     q, k, v = random_qkv(num_seqs, seq_len, q_len, device, dtype)
     scale = KERNEL_HEADS["head_dim"] ** -0.5
     paged_name, kernel = paged_kernel(device)
@@ -1023,10 +1033,66 @@ def time_attention(case, num_seqs, seq_len, device, dtype) -> list[KernelTiming]
     paged_ms, sdpa_ms = median_ms(paged, device), median_ms(sdpa, device)
     work = dict(case=case, num_seqs=num_seqs, seq_len=seq_len, q_len=q_len, sdpa_ms=sdpa_ms)
     kv_bytes, flops = attention_work(num_seqs, seq_len, q_len, q.element_size())
-    return [
-        KernelTiming(paged_name, **work, ms=paged_ms, kv_bytes=kv_bytes, flops=flops, max_abs_diff=diff, outputs_agree=agree),
-        KernelTiming(sdpa_name, **work, ms=sdpa_ms, kv_bytes=kv_bytes, flops=flops),
-    ]
+    rows = [KernelTiming(paged_name, **work, ms=paged_ms, kv_bytes=kv_bytes, flops=flops, max_abs_diff=diff, outputs_agree=agree)]
+    if case == "split" and device.type == "cuda":
+        unsplit = paged_call(functools.partial(kernel, segments=1), q, k, v, scale)
+        rows[0].kernel += " (split-KV)"
+        unsplit_out = unsplit().float()
+        rows.append(KernelTiming(paged_name + " (unsplit)", **work, ms=median_ms(unsplit, device), kv_bytes=kv_bytes, flops=flops,
+                                 max_abs_diff=(unsplit_out - expected).abs().max().item(),
+                                 outputs_agree=torch.allclose(unsplit_out, expected, rtol=tolerance, atol=tolerance)))
+    return rows + [KernelTiming(sdpa_name, **work, ms=sdpa_ms, kv_bytes=kv_bytes, flops=flops)]
+
+
+# python bench.py --kernels --static: every config of the attention kernel compiled for each GPU
+# generation on this machine (kernels.compile_static: Triton's compiler and the wheel's ptxas, no GPU),
+# with its registers, spill bytes and shared memory against the arch's limit. Compile-time facts, not
+# timings. sm_75 has no bf16 tensor cores: the engine runs fp16 there, so it has no bf16 rows.
+STATIC_ARCHS = (75, 80, 86, 89, 90)
+STATIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STATIC_HEAD_DIMS = (64, 128, 256)
+STATIC_GROUPS = (1, 4, 8)
+STATIC_PHASES = ("decode", "prefill", "split")
+
+
+def static_rows():
+    """Compile every (arch, dtype, head_dim, group, phase) config; a dict per kernel compiled, printed as it comes."""
+    rows = []
+    for cc in STATIC_ARCHS:
+        for dtype in STATIC_DTYPES:
+            if cc < 80 and dtype == torch.bfloat16:
+                continue
+            print(f"compiling sm_{cc} {str(dtype)[6:]} ...", file=sys.stderr, flush=True)
+            for head_dim in STATIC_HEAD_DIMS:
+                for group in STATIC_GROUPS:
+                    for phase in STATIC_PHASES:
+                        rows += kernels.compile_static(cc, dtype, head_dim, group, phase)
+    return rows
+
+
+def format_static_table(rows):
+    """Markdown: a row per kernel compiled, and a last line on whether every one fits."""
+    lines = ["| kernel | arch | dtype | head_dim | group | phase | tiles | registers | spill bytes | shared bytes / limit |",
+             "|---|---|---|---:|---:|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['group']} | {r['phase']} | {r['tiles']} | "
+                     f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']:,} / {r['shared_limit']:,} |")
+    bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > r["shared_limit"]]
+    lines.append(f"\n{len(rows)} kernels compiled: " + ("zero spill bytes, shared memory within every limit" if not bad else
+                 f"{len(bad)} spill or overflow shared memory"))
+    return "\n".join(lines)
+
+
+def run_static(args):
+    """--kernels --static: the compile-time table (no GPU needed)."""
+    if kernels.TRITON_INTERPRET:
+        raise ValueError("--static compiles for real: unset TRITON_INTERPRET")
+    rows = static_rows()
+    print(format_static_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"static": rows}, f, indent=2)
+    return 1 if any(r["spill_bytes"] or r["shared_bytes"] > r["shared_limit"] for r in rows) else 0
 
 
 # ---- Report ----
@@ -1101,8 +1167,8 @@ def format_kernel_table(timings, device_name, dtype):
              f"block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
              "", "| kernel | shape | ms | GB/s or TFLOP/s | vs SDPA | max abs diff vs SDPA |", "|---|---|---:|---:|---:|---:|"]
     for t in timings:
-        shape = f"decode {t.num_seqs} x {t.seq_len} context" if t.case == "decode" else f"prefill {t.num_seqs} x {t.seq_len} new, causal"
-        rate = f"{t.gb_s:.1f} GB/s" if t.case == "decode" else f"{t.tflop_s:.2f} TFLOP/s"
+        shape = f"prefill {t.num_seqs} x {t.seq_len} new, causal" if t.case == "prefill" else f"decode {t.num_seqs} x {t.seq_len} context"
+        rate = f"{t.tflop_s:.2f} TFLOP/s" if t.case == "prefill" else f"{t.gb_s:.1f} GB/s"
         diff = "-" if t.max_abs_diff is None else f"{t.max_abs_diff:.1e}" + ("" if t.outputs_agree else " (DISAGREE)")
         lines.append(f"| {t.kernel} | {shape} | {t.ms:.3f} | {rate} | {t.vs_sdpa:.2f}x | {diff} |")
     lines.append("\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). SDPA reads dense contiguous K/V with enable_gqa=True.")
@@ -1289,6 +1355,8 @@ def build_arg_parser():
     p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline (default: on a GPU only)")
     p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
                                                            "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
+    p.add_argument("--static", action="store_true", help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "
+                                                         "(no GPU needed) and print registers, spill bytes and shared memory")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -1334,6 +1402,10 @@ def resolve_args(args):
 
 
 def main(args):
+    if args.static:
+        if not args.kernels:
+            raise ValueError("--static goes with --kernels")
+        return run_static(args)
     device = resolve_args(args)
     if args.kernels:
         return run_kernels(args, device)
@@ -1372,7 +1444,7 @@ def main(args):
 if __name__ == "__main__":
     args = build_arg_parser().parse_args()
     try:
-        main(args)
+        sys.exit(main(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

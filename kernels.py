@@ -9,7 +9,12 @@ nanobatch.py calls.
         causal attention of the new tokens over everything cached for their sequence
         (prefill, prefill over a cached prefix and decode, mixed freely in one batch)
 
-    store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1)
+    store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1); decode
+                                               batches too small for the GPU split their keys (split-KV)
+    tile_config / num_segments                 the kernel's tiles per (arch, dtype, head_dim, phase) and its
+                                               split-KV segments, from shapes alone
+    compile_static                             the kernel compiled for any NVIDIA arch on a CPU: registers,
+                                               spill bytes, shared memory (bench.py --kernels --static)
     store_kv_ref / paged_attention_ref         plain torch, any device: the rule itself, one sequence at a time
     paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
                                                decode rows as compiled loops (numba) or batched torch ops
@@ -55,7 +60,8 @@ path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
 RuntimeError that says so.
 
 Sections, in reading order: imports and switches / shape checks / plain-torch references (the
-rule itself) / Triton store_kv / Triton paged_attention / dispatch (what nanobatch.py calls,
+rule itself) / Triton store_kv / Triton paged_attention (and the split-KV merge) / tiles per GPU and when
+to split, with the wrapper / compiled for any GPU on a CPU / dispatch (what nanobatch.py calls,
 plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
 the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
 argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype, weight packing,
@@ -67,6 +73,9 @@ import contextlib
 import functools
 import math
 import os
+import re
+import subprocess
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -297,6 +306,15 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 # its sequence by a binary search over first[] inside the kernel (log2(num_seqs)
 # loads, and no extra launches per layer); a program past its sequence's last
 # query exits at once (at most about one idle program per sequence).
+#
+# Split-KV (flash-decoding): a decode batch of a few long sequences launches only
+# num_seqs x kv_heads programs (2 x 8 = 16 on a 132-SM H100) and leaves the GPU
+# idle. With NUM_SEGMENTS > 1 a third grid axis cuts each sequence's keys into
+# that many segments of whole key tiles; each program writes its rows' running
+# max m, sum l and unnormalised acc (fp32) to scratch, and _merge_segments_kernel
+# combines them by log-sum-exp: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M),
+# M = max_s m_s. A segment past the sequence's end writes m = -inf, l = 0, acc = 0
+# and gets weight 0.
 
 
 # the block-table width and the sequence count change every step: int arguments that Triton
@@ -316,6 +334,9 @@ def _paged_attention_kernel(
     stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
     stride_c_block, stride_c_row, stride_c_head,  # cache strides, shared by k_cache and v_cache
     stride_bt_seq,  # block_tables row stride
+    part_m_ptr, part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32 split-KV scratch (unused when NUM_SEGMENTS == 1)
+    part_acc_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED) fp32 split-KV scratch
+    num_heads,  # query heads: the row stride of the scratch
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size: num_heads // num_kv_heads
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block, any value >= 1 (a power of two becomes a shift)
     HEAD_DIM: tl.constexpr,  # true head_dim
@@ -324,6 +345,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV
     TILE_N: tl.constexpr,  # keys per step of the key loop: power of two >= 16
     DOT_IN_FP32: tl.constexpr,  # run both dots on fp32 operands: fp32 caches (IEEE, not TF32), or bf16 under the interpreter
+    NUM_SEGMENTS: tl.constexpr,  # 1, or split-KV: segments per sequence (the third grid axis), merged by _merge_segments_kernel
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -367,8 +389,13 @@ def _paged_attention_kernel(
 
     # keys past the last query of this tile are invisible to every row: stop there
     num_keys = tl.minimum(seq_len, context_len + (q_block_in_seq + 1) * BLOCK_Q)
+    key_lo = 0
+    if NUM_SEGMENTS > 1:  # this program's segment: whole key tiles, the last segments may be empty
+        segment_keys = tl.cdiv(tl.cdiv(num_keys, NUM_SEGMENTS), TILE_N) * TILE_N
+        key_lo = tl.program_id(2) * segment_keys
+        num_keys = tl.minimum(num_keys, key_lo + segment_keys)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for key_start in range(0, num_keys, TILE_N):
+    for key_start in range(key_lo, num_keys, TILE_N):
         key_pos = key_start + tl.arange(0, TILE_N)  # (TILE_N,) positions in the sequence
         key_valid = key_pos < num_keys  # (TILE_N,) never touch block-table entries or slots past seq_len
         block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # (TILE_N,)
@@ -398,32 +425,117 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # a row with no visible key gives 0, not NaN
-    o_offs = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
-    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if NUM_SEGMENTS > 1:  # unnormalised: _merge_segments_kernel weighs the segments against each other
+        part = (token * num_heads + head) * NUM_SEGMENTS + tl.program_id(2)  # (BLOCK_M,) int64 scratch row
+        tl.store(part_m_ptr + part, m, mask=row_valid)
+        tl.store(part_l_ptr + part, l, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
+    else:
+        acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # a row with no visible key gives 0, not NaN
+        o_offs = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def _launch_config(num_tokens, num_seqs, group, head_dim_padded):
-    """Tile sizes, chosen from shapes alone (no GPU sync). Two cases:
-    - decode-only batch (every sequence has one new token, so num_tokens == num_seqs):
-      BLOCK_M = 16, the smallest tl.dot tile; a program holds 1 token x group heads
-      (up to 16), the rest is padding. Decode is memory bound, so small tiles and
-      more programs in flight win.
-    - anything with a prefill: BLOCK_M = 64 packed rows, so each K/V tile loaded is
-      reused by 64 // group query tokens.
-    TILE_N = 64 keys per step (32 for head_dim > 128, to bound registers and shared
-    memory); num_warps = 4 for both (a 64x64 fp32 score tile is 32 registers per
-    thread at 128 threads). Groups larger than a tile get BLOCK_M = their size."""
-    block_m = 16 if num_tokens == num_seqs else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
-    tile_n = 64 if head_dim_padded <= 128 else 32
-    return block_m, block_m // group, tile_n
+@triton.jit
+def _merge_segments_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim) output, dtype of q
+    part_m_ptr, part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32: each segment's running max and sum
+    part_acc_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED) fp32: each segment's unnormalised P @ V
+    stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,  # power of two
+):
+    # Grid (num_tokens, num_heads): one program merges the segments of one (token, head) row.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)  # (NUM_SEGMENTS,) int64
+    dims = tl.arange(0, HEAD_DIM_PADDED)  # (HEAD_DIM_PADDED,)
+    m = tl.load(part_m_ptr + part)  # (NUM_SEGMENTS,) -inf for a segment that saw no key
+    m_max = tl.max(m, axis=0)
+    weight = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # (NUM_SEGMENTS,) 0 for empty segments
+    total = tl.sum(tl.load(part_l_ptr + part) * weight, axis=0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :])  # (NUM_SEGMENTS, HEAD_DIM_PADDED)
+    o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # (HEAD_DIM_PADDED,)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+# ---- Triton: tiles per GPU, and when to split ----
+# Registers and shared memory are part of correctness: a tile too large for an arch spills to local
+# memory (slow) or fails to launch (OutOfResources). The tiles below are picked per (arch, dtype,
+# head_dim, phase) so that every config the engine launches compiles on sm_75/80/86/89/90 with zero
+# spill bytes and shared memory within SHARED_LIMIT; `python bench.py --kernels --static` compiles
+# them all (compile_static below, no GPU needed) and the README carries its table. Why the rules:
+#   - fp32 has no tensor-core path: with IEEE precision (no TF32) tl.dot is FMAs on registers, so its
+#     tiles are a quarter of the 16-bit ones (a 64x64 fp32 score tile alone is 32 registers a thread);
+#     so is 16-bit on sm_75, where Triton has no mma path (its fp16 tiles spill there at 255 registers);
+#   - prefill reuses each K/V tile over BLOCK_M rows, so its rows are many and its key tile small
+#     (32, as vLLM's unified attention); head_dim 256 halves the key tile again;
+#   - decode has one token a program: 16 rows (tl.dot's least), the GQA heads packed into them.
+
+# Shared memory a block may use (the opt-in maximum), bytes, per compute capability.
+SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+CPU_CC = 80  # the arch whose tiles the interpreter runs (tests run the others' too)
+MAX_SEGMENTS = 16  # split-KV: most segments per sequence
+MIN_SEGMENT_KEYS = 256  # split-KV: fewest keys a segment is worth (the upper bound of a sequence's keys / this)
+
+
+def tile_config(cc, dtype, head_dim_padded, group, phase):
+    """-> (BLOCK_M, TILE_N, num_warps) for compute capability cc (80 = sm_80), the caches' torch dtype,
+    head_dim padded to a power of two >= 16, the GQA group and phase "decode", "split" or "prefill". The arch
+    matters little today: before sm_80 (no mma path), and one warp count on sm_80. The tensor-core tiles fit
+    sm_86/89's 101,376 B of shared memory, so sm_80/90 take the same ones (larger tiles there would want
+    timings on those GPUs to justify them)."""
+    if dtype == torch.float32 or cc < 80:  # tl.dot as FMAs: fp32 (IEEE), and 16-bit before sm_80 (Triton's mma needs sm_80)
+        tile_n = 32 if head_dim_padded <= 64 and phase != "prefill" else 16
+        # more threads share the (16, head_dim) accumulator as it widens: at 4 warps ptxas spills from head_dim 128
+        num_warps = max(4, head_dim_padded // 16)
+        if cc == 80 and head_dim_padded == 128:
+            num_warps = 16  # ptxas spills 16 B at 8 warps there (fp32 split, GQA 1); on sm_90 it spills at 16
+        return max(16, triton.next_power_of_2(group)), tile_n, num_warps
+    if phase == "prefill":  # 64 rows reuse each K/V tile; head_dim 256 needs 8 warps not to spill
+        block_m, tile_n, num_warps = 64, 16 if head_dim_padded > 128 else 32, 8 if head_dim_padded > 128 else 4
+    else:  # decode and split: one token a program
+        block_m, tile_n, num_warps = 16, 32 if head_dim_padded > 128 else 64, 4
+    return max(block_m, triton.next_power_of_2(group)), tile_n, num_warps  # a group larger than a tile gets BLOCK_M = its size
+
+
+def num_segments(num_tokens, num_seqs, num_kv_heads, max_keys, sm_count):
+    """Split-KV segments per sequence, from shapes alone: 1 (no split) unless the batch is decode only
+    and its num_seqs x num_kv_heads programs leave SMs idle; then the least power of two (up to MAX_SEGMENTS)
+    that brings the programs to the SM count or more, and no more segments than max_keys (an upper bound on
+    a sequence's keys: the block table's width x block_size) fills with MIN_SEGMENT_KEYS each."""
+    programs = num_seqs * num_kv_heads
+    if num_tokens != num_seqs or programs == 0 or programs >= sm_count:
+        return 1
+    segments = min(MAX_SEGMENTS, triton.next_power_of_2(-(-sm_count // programs)), max_keys // MIN_SEGMENT_KEYS)
+    return 1 if segments < 2 else 1 << (segments.bit_length() - 1)  # a power of two: the merge's tl.arange
+
+
+@functools.cache
+def _device_facts(device):
+    """(compute capability as 80 for sm_80, SM count) of a CUDA device, read once; a CPU (the
+    interpreter) gets CPU_CC's tiles and never splits."""
+    if device.type != "cuda":
+        return CPU_CC, 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor, torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kernel_dtype(device, dtype):
+    """The dtype (a name, as EngineConfig.dtype) the engine runs on device: bfloat16 becomes float16 on a GPU
+    before sm_80 (Turing has no bf16 tensor cores; vLLM advises the same), with a one-line warning."""
+    if dtype != "bfloat16" or device.type != "cuda" or _device_facts(device)[0] >= 80:
+        return dtype
+    warnings.warn(f"sm_{_device_facts(device)[0]} has no bfloat16 tensor cores: running in float16 instead", stacklevel=3)
+    return "float16"
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, segments=None):
     """Same contract as paged_attention_ref. Writes `out` if given (every row of a
     token that belongs to a sequence). Expects query_start_loc[-1] == num_tokens and
-    valid block ids for positions < seq_len (not checked: that would sync the GPU)."""
+    valid block ids for positions < seq_len (not checked: that would sync the GPU).
+    segments: split-KV segments per sequence (a power of two; None: num_segments decides)."""
     _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     _check_triton("paged_attention_triton", q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
@@ -434,6 +546,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         raise ValueError(f"paged_attention_triton: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"paged_attention_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+    if segments is not None and (segments < 1 or segments & (segments - 1)):
+        raise ValueError(f"paged_attention_triton: segments must be a power of two >= 1, got {segments}")
     if out is None:
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     elif out.stride(-1) != 1:
@@ -445,24 +559,102 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_q, tile_n = _launch_config(num_tokens, num_seqs, group, head_dim_padded)
-
+    cc, sm_count = _device_facts(q.device)
+    if segments is None:
+        segments = num_segments(num_tokens, num_seqs, num_kv_heads, block_tables.shape[1] * k_cache.shape[1], sm_count)
+    phase = "prefill" if num_tokens != num_seqs else "split" if segments > 1 else "decode"
+    block_m, tile_n, num_warps = tile_config(cc, q.dtype, head_dim_padded, group, phase)
+    block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound from shapes alone (see the header above the kernel)
+    part_m = part_l = part_acc = out  # unused unless split
+    if segments > 1:
+        part_m = torch.empty(num_tokens, num_heads, segments, dtype=torch.float32, device=q.device)  # (tokens, heads, segments)
+        part_l = torch.empty_like(part_m)  # (tokens, heads, segments)
+        part_acc = torch.empty(num_tokens, num_heads, segments, head_dim_padded, dtype=torch.float32, device=q.device)  # (tokens, heads, segments, D)
 
     with _on_device(q):
-        _paged_attention_kernel[(num_q_blocks, num_kv_heads)](
+        _paged_attention_kernel[(num_q_blocks, num_kv_heads, segments)](
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
             scale * 1.4426950408889634,  # log2(e)
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            part_m, part_l, part_acc, num_heads,
             NUM_QUERIES_PER_KV=group, BLOCK_SIZE=k_cache.shape[1],
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
             DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
-            num_warps=4,
+            NUM_SEGMENTS=segments, num_warps=num_warps,
         )
+        if segments > 1:
+            _merge_segments_kernel[(num_tokens, num_heads)](
+                out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SEGMENTS=segments, num_warps=1,
+            )
     return out
+
+
+# ---- Triton: compiled for any GPU, on a CPU ----
+# triton.compile with a GPUTarget runs Triton's real compiler for any compute capability without a GPU:
+# the PTX it makes, assembled by the ptxas in the triton wheel (-v), gives registers and spill bytes,
+# and the compiled kernel's metadata its shared memory. These are compile-time facts, not timings.
+# The pointer and stride arguments are hinted 16-aligned, as the launcher specializes them.
+
+_POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
+                   "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _ptxas_usage(ptx):
+    """(registers, spill bytes stored + loaded) of one kernel's PTX, from the wheel's ptxas -v."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")  # the newest PTX ISA
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        arch = re.search(r"^\.target (\S+)", ptx, re.M).group(1)  # sm_90a on Hopper: Triton's wgmma needs it
+        log = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(re.search(r"Used (\d+) registers", log).group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def _compile_for(fn, cc, dtype, consts, num_warps):
+    """One kernel compiled for compute capability cc: (registers, spill bytes, shared bytes)."""
+    from triton.backends.compiler import GPUTarget  # here, not at the top: kernels.py imports without triton
+    from triton.compiler import ASTSource
+
+    sig = {name: "constexpr" if name in consts else _POINTER_DTYPES.get(name, "*" + dtype) if name.endswith("_ptr")
+           else "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))
+    return (*_ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
+
+
+def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
+    """Compile the attention kernel as paged_attention_triton would launch it on compute capability cc
+    (dtype: the caches' torch dtype; phase: "decode", "prefill" or "split"), with no GPU. -> one row per
+    kernel (split: the attention kernel and the merge): kernel, arch, dtype, head_dim, group, phase, tiles
+    (BLOCK_M x TILE_N and warps), registers, spill_bytes, shared_bytes, shared_limit. Needs TRITON_INTERPRET unset."""
+    if TRITON_INTERPRET or _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError("compile_static: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported")
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    block_m, tile_n, num_warps = tile_config(cc, dtype, head_dim_padded, group, phase)
+    segments = MAX_SEGMENTS if phase == "split" else 1
+    consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=block_m,
+                  BLOCK_Q=block_m // group, TILE_N=tile_n, DOT_IN_FP32=dtype == torch.float32, NUM_SEGMENTS=segments)
+    name = _TRITON_DTYPES[dtype]
+    builds = [("paged_attention", _paged_attention_kernel, consts, num_warps, f"{block_m}x{tile_n}, {num_warps} warps")]
+    if phase == "split":
+        merge = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SEGMENTS=segments)
+        builds.append(("merge_segments", _merge_segments_kernel, merge, 1, f"{segments} segments, 1 warp"))
+    rows = []
+    for kernel, fn, kernel_consts, warps, tiles in builds:
+        registers, spill_bytes, shared_bytes = _compile_for(fn, cc, name, kernel_consts, warps)
+        rows.append(dict(kernel=kernel, arch=f"sm_{cc}", dtype=name, head_dim=head_dim, group=group, phase=phase, tiles=tiles,
+                         registers=registers, spill_bytes=spill_bytes, shared_bytes=shared_bytes, shared_limit=SHARED_LIMIT[cc]))
+    return rows
 
 
 # ---- Dispatch: what nanobatch.py calls ----

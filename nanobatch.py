@@ -93,6 +93,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_has_native_bf16() else "float32"
+        self.dtype = kernels.kernel_dtype(device, self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
 
     @property
     def torch_dtype(self):

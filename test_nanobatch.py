@@ -199,6 +199,18 @@ def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm
     assert [g[0] for g in got] == [w[0] for w in want]
 
 
+def test_bfloat16_becomes_float16_before_sm80(monkeypatch):
+    monkeypatch.setattr(kernels, "_device_facts", lambda device: (75, 40))
+    with pytest.warns(UserWarning, match="sm_75 has no bfloat16 tensor cores"):
+        assert kernels.kernel_dtype(torch.device("cuda"), "bfloat16") == "float16"
+    assert kernels.kernel_dtype(torch.device("cuda"), "float32") == "float32"
+    assert kernels.kernel_dtype(torch.device("cpu"), "bfloat16") == "bfloat16"
+    monkeypatch.setattr(kernels, "_device_facts", lambda device: (80, 108))
+    assert kernels.kernel_dtype(torch.device("cuda"), "bfloat16") == "bfloat16"
+    monkeypatch.setattr(kernels, "kernel_dtype", lambda device, dtype: "float16")  # EngineConfig resolves its dtype there
+    assert EngineConfig(dtype="bfloat16", device="cpu").dtype == "float16"
+
+
 # ---- Sampling parameters ----
 
 
@@ -1613,6 +1625,69 @@ def test_paged_attention_empty_batch(impl):
     assert got.shape == (0, 1, 16)
 
 
+# -- paged_attention: split-KV and the tiles of every arch --
+
+
+@settings(PROPERTY, max_examples=20)  # segments multiply the interpreter's programs
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 300), st.just(1)), min_size=1, max_size=3),
+    segments=st.sampled_from([2, 4, 16]),
+    block_size=st.sampled_from([1, 16, 64]),
+    kv_group_dim=st.sampled_from([(2, 4, 32), (1, 8, 64), (3, 1, 16)]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
+def test_split_kv_decode_matches_naive(seqs, segments, block_size, kv_group_dim, dtype, seed):
+    """Split-KV: long contexts with few sequences, short ones whose last segments see no key (16 segments
+    over a few keys), NaN in every unused cache slot; the merge must give naive attention."""
+    num_kv_heads, group, head_dim = kv_group_dim
+    case = Case(seqs, block_size, num_kv_heads, group, head_dim, dtype, seed=seed, temperature=4.0)
+    check_attention(functools.partial(kernels.paged_attention_triton, segments=segments), case)
+
+
+def test_split_kv_with_prefill_rows_and_bad_segments():
+    """Segments split the keys of prefill rows too (the kernel does not need decode), and segments that
+    are not a power of two are refused."""
+    case = Case([(70, 9), (0, 1), (5, 30)], 16, 2, 2, 32, torch.float32, seed=4)
+    check_attention(functools.partial(kernels.paged_attention_triton, segments=8), case)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="segments must be a power of two"):
+            kernels.paged_attention_triton(*build(case)[0], segments=bad)
+
+
+def test_num_segments_from_shapes():
+    """Split only a decode-only batch that leaves SMs idle and is long enough; a power of two up to MAX_SEGMENTS."""
+    assert kernels.num_segments(2, 2, 8, 16384, sm_count=132) == 16  # 16 programs on an H100: split
+    assert kernels.num_segments(4, 4, 8, 16384, sm_count=132) == 8  # 32 programs: 8 segments bring 256 >= 132
+    assert kernels.num_segments(3, 2, 8, 16384, sm_count=132) == 1  # a prefill row: no split
+    assert kernels.num_segments(64, 64, 8, 16384, sm_count=132) == 1  # 512 programs fill the GPU
+    assert kernels.num_segments(2, 2, 8, 600, sm_count=132) == 2  # at most one segment per MIN_SEGMENT_KEYS keys
+    assert kernels.num_segments(2, 2, 8, 300, sm_count=132) == 1
+    assert kernels.num_segments(2, 2, 8, 16384, sm_count=0) == 1  # the CPU (interpreter) never splits
+    for seqs in range(1, 40):
+        n = kernels.num_segments(seqs, seqs, 2, 1 << 20, sm_count=108)
+        assert n & (n - 1) == 0 and 1 <= n <= kernels.MAX_SEGMENTS
+
+
+def _every_tile(head_dim, group, dtype):
+    """{phase: the distinct tiles tile_config gives it on any arch the engine supports}"""
+    return {phase: {kernels.tile_config(cc, dtype, head_dim, group, phase) for cc in kernels.SHARED_LIMIT} for phase in ("decode", "split", "prefill")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_attention_with_every_arch_tiles(head_dim, dtype, monkeypatch):
+    """Whatever tiles the heuristic picks for any arch (not only the interpreter's), the kernel gives naive attention."""
+    group = 4
+    for phase, tiles in _every_tile(head_dim, group, dtype).items():
+        for block_m, tile_n, num_warps in tiles:
+            assert block_m >= 16 and tile_n >= 16 and block_m & (block_m - 1) == 0 and tile_n & (tile_n - 1) == 0 and block_m % group == 0
+            monkeypatch.setattr(kernels, "tile_config", lambda *a, t=(block_m, tile_n, num_warps): t)
+            seqs = [(40, 6), (0, 1), (17, 20)] if phase == "prefill" else [(90, 1), (3, 1)]
+            attention = functools.partial(kernels.paged_attention_triton, segments=4 if phase == "split" else 1)
+            check_attention(attention, Case(seqs, 16, 1, group, head_dim, dtype, seed=head_dim))
+
+
 # -- store_kv: properties --
 
 
@@ -1885,9 +1960,12 @@ def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
 # -- Real compilation, even without a GPU --
 
 # The interpreter accepts things the compiler rejects (tl.dot shapes, dtypes,
-# control flow), so compile both kernels for an H100 (sm_90) with triton's own
-# compiler and ptxas, in a fresh process where TRITON_INTERPRET is unset. Nothing
-# runs; this only proves the kernels build for the launch configs the wrappers use.
+# control flow), and says nothing of registers or shared memory, so the kernels
+# are compiled with triton's own compiler and ptxas for real GPUs
+# (kernels.compile_static), in a fresh process where TRITON_INTERPRET is unset.
+# Nothing runs. `python bench.py --kernels --static` compiles every config; CI
+# compiles a representative subset: the tightest shared memory (sm_75, sm_86/89),
+# fp32 (no tensor cores: the widest register tiles), head_dim 256, GQA 8, split.
 
 def triton_version_is(prefix):
     try:
@@ -1897,35 +1975,47 @@ def triton_version_is(prefix):
     return triton.__version__.startswith(prefix)
 
 
-COMPILE_FOR_SM90 = """
-import triton, torch, kernels
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-def build(fn, pointer_dtype, consts, num_warps):
-    # int arguments that are multiples of 16 and 16-byte aligned pointers, as the launcher would specialize them
-    sig = {name: "constexpr" if name in consts else pointer_dtype(name) if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
-           for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
-    constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-
-INT_PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
-for dtype, group, head_dim, block_size, num_tokens in [("fp16", 4, 128, 16, 9), ("fp16", 4, 128, 16, 8), ("bf16", 7, 64, 1, 9), ("fp32", 1, 24, 256, 9)]:
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_q, tile_n = kernels._launch_config(num_tokens, 8, group, head_dim_padded)
-    consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-                  BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, DOT_IN_FP32=dtype == "fp32")
-    build(kernels._paged_attention_kernel, lambda name: INT_PTRS.get(name, "*" + dtype), consts, num_warps=4)
-build(kernels._store_kv_kernel, lambda name: INT_PTRS.get(name, "*bf16"), dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), num_warps=1)
-print("compiled")
+COMPILE_STATIC = """
+import json, sys, torch, kernels
+D = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)
+rows = [row for cc, dtype, head_dim, group, phase in json.loads(sys.argv[1]) for row in kernels.compile_static(cc, D[dtype], head_dim, group, phase)]
+print(json.dumps(rows))
 """
+COMPILE_SUBSET = [
+    (90, "fp16", 128, 4, "prefill"), (90, "bf16", 64, 7, "decode"), (90, "fp32", 128, 1, "split"),  # the H100 at the engine's shapes
+    (86, "fp32", 128, 4, "prefill"), (89, "bf16", 128, 8, "prefill"), (86, "fp16", 256, 4, "prefill"),  # 101,376 B of shared memory
+    (80, "fp32", 128, 4, "decode"), (80, "bf16", 128, 8, "split"),
+    (75, "fp16", 256, 4, "split"), (75, "fp32", 128, 4, "decode"),  # the T4: 64 KB, no mma path in Triton
+]
 
 
-@pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
+def _compile_static(configs):
+    result = _run_python(COMPILE_STATIC.replace("sys.argv[1]", repr(json.dumps(configs))), interpret=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+compiles = pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
+
+
+@compiles
 def test_kernels_compile_for_sm90():
-    result = _run_python(COMPILE_FOR_SM90, interpret=False)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    """Both kernels build for an H100 (sm_90) at the launch configs the wrappers use."""
+    rows = _compile_static([(90, "fp16", 128, 4, "decode"), (90, "fp32", 24, 1, "prefill")])
+    assert [r["arch"] for r in rows] == ["sm_90", "sm_90"]
+    code = "import kernels; print(kernels._compile_for(kernels._store_kv_kernel, 90, 'bf16', dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), 1))"
+    result = _run_python(code, interpret=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@compiles
+def test_kernels_fit_every_arch_without_spills():
+    """A representative subset of `bench.py --kernels --static`: zero spill bytes, shared memory within each arch's limit."""
+    rows = _compile_static(COMPILE_SUBSET)
+    assert len(rows) == len(COMPILE_SUBSET) + sum(c[-1] == "split" for c in COMPILE_SUBSET)  # split also compiles the merge
+    for r in rows:
+        assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
+        assert r["shared_bytes"] <= r["shared_limit"] == kernels.SHARED_LIMIT[int(r["arch"][3:])], r
 
 
 # -- CUDA only: real compilation at model sizes --
