@@ -2040,7 +2040,19 @@ def start_tensor_parallel(config: EngineConfig):
         return None
     if dist.is_initialized():
         raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
+    shard_config(_read_model_config(config.model or default_model_path()), argparse.Namespace(rank=0, size=config.tensor_parallel_size))  # fails before spawning
     return _spawn_ranks(config)
+
+
+def _read_model_config(path):
+    from transformers import AutoConfig
+
+    path = os.path.expanduser(path)
+    if os.path.isfile(path):
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)))
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model folder {path!r} has no config.json")
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
 
 def _rank_device(config, local_rank):
@@ -2161,17 +2173,30 @@ def agree_num_blocks(tp, num_blocks):
     return int(t)
 
 
+def shard_plan(cfg: ModelConfig, tp):
+    """Where this rank's slices start: (first query head, first KV head, first MLP column), and its
+    ModelConfig: its query heads, its KV heads, its MLP columns, its vocabulary rows (padded to ceil(V/N)).
+    KV heads are split whole, each with its group of query heads (SmolLM2's 3 over 2 ranks: 2 and 1);
+    with fewer KV heads than ranks, each rank holds a copy of the KV head its query heads read."""
+    r, n, heads, kv_heads = tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads
+    if kv_heads >= n:
+        kv0, kv1 = r * kv_heads // n, (r + 1) * kv_heads // n
+        group = heads // kv_heads
+        q0, num_q, num_kv = kv0 * group, (kv1 - kv0) * group, kv1 - kv0
+    elif n % kv_heads == 0 and heads % n == 0:
+        kv0, num_kv, num_q = r * kv_heads // n, 1, heads // n
+        q0 = r * num_q
+    else:
+        raise ValueError(f"tensor_parallel_size {n} exceeds the model's {kv_heads} KV heads, so it must be a multiple of them "
+                         f"and divide its {heads} attention heads")
+    i0, i1 = r * cfg.intermediate_size // n, (r + 1) * cfg.intermediate_size // n
+    local = dataclasses.replace(cfg, num_heads=num_q, num_kv_heads=num_kv, intermediate_size=i1 - i0, vocab_size=-(-cfg.vocab_size // n))
+    return (q0, kv0, i0), local
+
+
 def shard_config(cfg: ModelConfig, tp):
-    """One rank's share of the model's shapes: its query heads, its KV heads (a copy of one when N
-    exceeds them), its slice of the MLP and of the vocabulary (padded up to a multiple of N)."""
-    if tp is None:
-        return cfg
-    n = tp.size
-    if cfg.num_heads % n or cfg.intermediate_size % n or (cfg.num_kv_heads % n and n % cfg.num_kv_heads):
-        raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} attention heads and its "
-                         f"intermediate size {cfg.intermediate_size}, and divide or be a multiple of its {cfg.num_kv_heads} KV heads")
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(1, cfg.num_kv_heads // n),
-                               intermediate_size=cfg.intermediate_size // n, vocab_size=-(-cfg.vocab_size // n))
+    """The shapes of this rank's shard (all of the model's without tensor parallelism)."""
+    return shard_plan(cfg, tp)[1] if tp is not None else cfg
 
 
 def shard_tensor(name, t, cfg: ModelConfig, tp):
@@ -2179,25 +2204,21 @@ def shard_tensor(name, t, cfg: ModelConfig, tp):
     slice is read). Row-parallel biases live on rank 0 only (zeros elsewhere): the all-reduce adds them once."""
     if tp is None:
         return t
-    r, n, d = tp.rank, tp.size, cfg.head_dim
-    shape = t.get_shape() if hasattr(t, "get_shape") else list(t.shape)
-    local = shard_config(cfg, tp)
-    kv = r * cfg.num_kv_heads // n  # this rank's first KV head (replicated when n > num_kv_heads)
-    column = {"q_proj": (r * local.num_heads * d, local.num_heads * d), "k_proj": (kv * d, local.num_kv_heads * d),
-              "v_proj": (kv * d, local.num_kv_heads * d), "gate_proj": (r * local.intermediate_size, local.intermediate_size),
-              "up_proj": (r * local.intermediate_size, local.intermediate_size)}
-    row = {"o_proj": r * local.num_heads * d, "down_proj": r * local.intermediate_size}
+    (q0, kv0, i0), local = shard_plan(cfg, tp)
+    d, q, kv, i = cfg.head_dim, local.num_heads * cfg.head_dim, local.num_kv_heads * cfg.head_dim, local.intermediate_size
+    column = {"q_proj": (q0 * d, q), "k_proj": (kv0 * d, kv), "v_proj": (kv0 * d, kv), "gate_proj": (i0, i), "up_proj": (i0, i)}
+    row = {"o_proj": (q0 * d, q), "down_proj": (i0, i)}
     module = name.split(".")[-2] if "." in name else ""
     if module in column:
         start, size = column[module]
         return t[start : start + size]  # (size, hidden) or (size,)
     if module in row and name.endswith("weight"):
-        width = shape[1] // n
-        return t[:, row[module] : row[module] + width]  # (hidden, width)
-    if module in row:
-        return t[:] if r == 0 else torch.zeros(shape)
+        start, size = row[module]
+        return t[:, start : start + size]  # (hidden, size)
+    if module in row:  # the bias, (hidden,)
+        return t[:] if tp.rank == 0 else torch.zeros(t.get_shape() if hasattr(t, "get_shape") else t.shape)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        start = r * local.vocab_size
+        start = tp.rank * local.vocab_size
         rows = t[start : min(start + local.vocab_size, cfg.vocab_size)]  # (<= local vocab, hidden)
         return F.pad(rows, (0, 0, 0, local.vocab_size - rows.shape[0]))  # padded rows: never looked up, logits cut off
     return t[:]
@@ -2380,6 +2401,7 @@ def build_arg_parser():
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
+    g.add_argument("--tensor-parallel-size", type=int, default=e.tensor_parallel_size, help="ranks that split each layer: spawned here, or the ranks torchrun starts")
     g = p.add_argument_group("server")  # defaults: server.ServerConfig's, written out (server.py loads only for --serve)
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -2406,7 +2428,7 @@ def run_cli(args):
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+        enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.serve:
         # run as a script this module is __main__: server.py's `import nanobatch` must find it, not load
