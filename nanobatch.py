@@ -37,6 +37,7 @@ import argparse
 import array
 import atexit
 import dataclasses
+import datetime
 import gc
 import glob
 import hashlib
@@ -2034,7 +2035,8 @@ def start_tensor_parallel(config: EngineConfig):
             raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size} but torchrun started {world} ranks")
         config.tensor_parallel_size, rank = world, int(os.environ["RANK"])
         _rank_device(config, int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+        timeout = datetime.timedelta(days=365) if rank else None  # see _rank_main
+        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", rank=rank, world_size=world, timeout=timeout)
         return TensorParallel(rank, world)
     if config.tensor_parallel_size == 1:
         return None
@@ -2057,7 +2059,8 @@ def _read_model_config(path):
 
 def _rank_device(config, local_rank):
     if config.device.startswith("cuda"):
-        config.device = f"cuda:{local_rank}"  # one GPU per rank
+        config.device = f"cuda:{local_rank}"  # one GPU per rank; NCCL's object broadcasts use the current one
+        torch.cuda.set_device(config.device)
 
 
 def _spawn_ranks(config):
@@ -2087,15 +2090,17 @@ def _spawn_ranks(config):
 
 def _rank_main(rank, size, port, kwargs):
     """A spawned rank: join the group, build the same LLM (its shard), serve rank 0's steps."""
-    import datetime
-
     import torch.distributed as dist
 
     global _WORKER_TP
+    if kwargs["device"] == "cpu":  # the ranks share this machine's cores: N processes of all-core threads would fight
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     store.set(f"joined/{rank}", "1")
     cuda = kwargs["device"].startswith("cuda")
     kwargs = {**kwargs, "device": f"cuda:{rank}" if cuda else kwargs["device"]}
+    if cuda:
+        torch.cuda.set_device(kwargs["device"])
     # a rank waits for rank 0's next step as long as rank 0 stays idle: no collective timeout that matters
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365))
     _WORKER_TP = TensorParallel(rank, size)
