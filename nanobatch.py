@@ -23,7 +23,7 @@ Part I, the engine, in the order of a step (read it top to bottom):
     Scheduler | Model | Loading | Sampler | Engine (LLM.step is the algorithm in 30 lines)
 Part II, after the banner that closes Part I: the plug-ins, each reached from one named
 hook in Part I: Logits processors | Logprobs | Structured outputs | Beam search |
-Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
+Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
 references that state the rule); server.py, a separate program, serves HTTP.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
