@@ -1250,7 +1250,24 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         details.append(format_roofline(roofline))
     del llm
     release_freed_memory()  # the next systems get the memory (on a GPU the KV pool holds most of it)
+    if args.tensor_parallel_size > 1:
+        run_tensor_parallel(args, model_path, workload, warmup, device, results, runs, details)
     return workload, details
+
+
+def run_tensor_parallel(args, model_path, workload, warmup, device, results, runs, details):
+    """The nanobatch system again with its layers split over N ranks (spawned processes), beside TP=1.
+    On one CPU the ranks share the cores and add two all-reduces per layer: this shows TP's cost, not a
+    speed-up (TP pays off when the model does not fit one device, or over fast GPU links)."""
+    name = f"nanobatch-tp{args.tensor_parallel_size}"
+    llm = load_nanobatch(model_path, args, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        result, run = measure(name, lambda wl: run_nanobatch(llm, wl), workload, warmup, device)
+    finally:
+        llm.tp.shutdown()
+    details.append(format_engine_details(name, run.stats, llm, run.seconds, None, None, run.peak_blocks))
+    results.append(result)
+    runs.append(run)
 
 
 def run_hf_systems(args, model_path, device, workload, results, runs):
@@ -1352,6 +1369,7 @@ def build_arg_parser():
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="also run nanobatch with its layers split over N ranks (gloo on a CPU, NCCL on GPUs), beside TP=1")
     p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline (default: on a GPU only)")
     p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
                                                            "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
@@ -1396,6 +1414,8 @@ def resolve_args(args):
     for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
             raise ValueError(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
+    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
+        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
     if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
         raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
     return torch.device(device)

@@ -15,6 +15,7 @@ so the tests that need many engine configurations use an HF-folder copy of it
 (same weights, loads in a few seconds).
 """
 
+import contextlib
 import http.client
 import json
 import logging
@@ -1362,6 +1363,140 @@ def test_beam_search_bad_input(tiny_llm):
     out = tiny_llm.beam_search([list(range(5))], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0]
     assert len(out.sequences) == 2 and out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+# ---- Tensor parallelism ----
+# Each test starts its own 2-rank group (spawned processes, gloo) and shuts it down: one group per process.
+
+
+@pytest.fixture(scope="session")
+def tp_odd_model(tmp_path_factory, default_hf):
+    """A tiny Llama whose vocabulary does not divide by 2, with one KV head (fewer than the ranks), tied
+    embeddings and biases everywhere (the row-parallel o_proj / down_proj biases must be added once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = str(tmp_path_factory.mktemp("tp_odd"))
+    tokenizer = default_hf[1]
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, max_position_embeddings=1024, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # large random weights, as make_tiny_model: no greedy ties by chance
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.5 if name.endswith("bias") else 0.2) if name.endswith("bias") or p.dim() == 2 else None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def tp_engine(folder, **kwargs):
+    llm = LLM(model=folder, tensor_parallel_size=2, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.tp.shutdown()
+        assert not any(p.is_alive() for p in llm.tp.procs), "shutdown leaves no rank behind"
+
+
+def logits_spy(llm):
+    """Every step's logits on rank 0, as the sampler gets them (the lm_head's output: gathered under TP)."""
+    seen = []
+    llm.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    return seen
+
+
+def tp_workload(tokenizer):
+    """A shared 40-token prefix, repeats and one long prompt: prefix-cache hits, and preemption in a small pool."""
+    system = tokenizer.encode(PASSAGE)[:40]
+    questions = passage_prompts(tokenizer, [5, 11, 23, 90])
+    return [system + q for q in questions[:3]] + [questions[3], system + questions[0]]
+
+
+@pytest.mark.parametrize("family", ["odd", "qwen3-qk-norm"])  # with the default model below: every sharding case, few spawns
+def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_hf):
+    """fp32 greedy: TP=2 gives TP=1's tokens, its logits within 1e-5 at every step, in a pool small enough
+    to preempt and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
+    folder = tp_odd_model if family == "odd" else tiny_models[family][0]
+    prompts, params = tp_workload(default_hf[1]), SamplingParams(max_tokens=12, **GREEDY)
+    engine = dict(num_kv_blocks=16, block_size=8, **CPU)
+    one = LLM(model=folder, **engine)
+    expected_logits = logits_spy(one)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with tp_engine(folder, **engine) as two:
+        logits = logits_spy(two)
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == expected
+        assert two.stats.num_preemptions > 0 and one.stats.num_preemptions == two.stats.num_preemptions
+        assert two.allocator.num_free_blocks == two.allocator.num_blocks
+    assert len(logits) == len(expected_logits)
+    for a, b in zip(expected_logits, logits):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_tp2_default_model(default_folder, reference_outputs):
+    """The default model (its safetensors copy, each rank reading only its slices) on two ranks, its 3 KV
+    heads split 2 + 1 with their query heads: the reference workload's greedy tokens (its first 24 of
+    each of 4 requests with a shared prefix, and a long one), with preemption and prefix caching on."""
+    prompts, expected = reference_outputs
+    prompts, expected = prompts[:3] + prompts[6:7], expected[:3] + expected[6:7]
+    with tp_engine(default_folder, num_kv_blocks=12, **CPU) as llm:
+        tokens, outputs = run_workload(llm, prompts)
+        assert llm.stats.num_preemptions > 0 and sum(o.num_cached_tokens for o in outputs) > 0
+
+
+def test_tp2_features(tp_odd_model):
+    """What runs on rank 0 only works under TP as without it: n > 1 with seeds, logprobs and prompt
+    logprobs, structured outputs, beam search, chunked prefill (a 16-token step budget)."""
+    prompts = [list(range(100, 140)), list(range(500, 509))]
+    params = [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="(yes|no)[0-9]{1,3}"))]
+    beam = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    engine = dict(max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=64, **CPU)
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        beams = llm.beam_search([prompts[1]], beam)[0]
+        exact = ([[(c.token_ids, c.text, [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs] for o in outs],
+                 [sorted(d) for d in outs[0].prompt_logprobs[1:]], [s.tokens for s in beams.sequences])
+        close = [lp.logprob for d in outs[0].prompt_logprobs[1:] for lp in d.values()] + [s.cum_logprob for s in beams.sequences]
+        return exact, close
+
+    expected, expected_values = run(LLM(model=tp_odd_model, **engine))
+    with tp_engine(tp_odd_model, **engine) as llm:
+        got, values = run(llm)
+    assert got == expected and values == pytest.approx(expected_values, abs=1e-4)
+    assert re.fullmatch("(yes|no)[0-9]{1,3}", got[0][1][0][1])
+
+
+def test_tp_shards_weights_and_reports_a_dead_rank(tp_odd_model):
+    """Rank 0 holds about half of the weight bytes and half of the KV heads; a rank killed mid-run
+    gives a clear error on rank 0 within seconds (no hang), and shutdown leaves no process behind."""
+    import signal
+
+    def weight_bytes(llm):
+        return sum(p.numel() * p.element_size() for p in llm.model.parameters())
+
+    one = LLM(model=tp_odd_model, num_kv_blocks=32, **CPU)
+    with tp_engine(tp_odd_model, num_kv_blocks=32, **CPU) as llm:
+        assert 0.45 < weight_bytes(llm) / weight_bytes(one) < 0.55
+        assert llm.kv_pool.shape[4] == 1 and llm.allocator.num_blocks == 32  # one KV head: each rank holds a copy
+        llm.add_request(list(range(10, 30)), SamplingParams(max_tokens=50, **GREEDY))
+        for _ in range(3):
+            llm.step()
+        os.kill(llm.tp.procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(nanobatch.TPError, match="rank 1 died"):
+            for _ in range(50):
+                llm.step()
+        assert time.monotonic() - start < 10
+
+
+def test_tp_bad_settings(tiny_models):
+    """Checked before any rank starts: a size that does not divide the heads, or no size at all."""
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds the model's 2 KV heads"):
+        LLM(model=tiny_models["qwen2-bias"][0], tensor_parallel_size=3, **CPU)
 
 
 # ---- Bad input: clear errors, and the engine stays usable ----
