@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -164,6 +165,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -758,6 +760,9 @@ def default_model_path():
     return files[0]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a HF folder's tokenizer
+
+
 def load_model(path, dtype, device, on_config=None):
     """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
     config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once."""
@@ -778,6 +783,8 @@ def load_model(path, dtype, device, on_config=None):
     cfg = ModelConfig.from_hf(hf_config)
     if on_config is not None:
         on_config(hf_config, cfg)
+    if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
+        raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path)
     with torch.device("meta"):
@@ -1407,6 +1414,8 @@ def check_fits(llm, token_ids, params):
     if num_beams > 1 and 2 * num_beams > llm.model_config.vocab_size:
         raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {llm.model_config.vocab_size}")
     params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
+    if params.max_tokens is not None and params.max_tokens > llm.max_model_len:  # vLLM's 400: it could never be reached
+        raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len={llm.max_model_len}. Please request fewer output tokens.")
     if len(token_ids) >= llm.max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
     if params.n > llm.config.max_num_seqs:
@@ -1452,6 +1461,10 @@ class EngineStats:
 def record_stats(llm, batch):
     s = llm.stats
     s.num_steps += 1
+    now = time.perf_counter()
+    for seq in batch.seqs:
+        if seq.request.metrics.first_scheduled_time is None:  # its queue time ends (vLLM's request_queue_time_seconds)
+            seq.request.metrics.first_scheduled_time = now
     s.num_preemptions += batch.num_preempted
     in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
     if in_use > s.peak_blocks_in_use:
@@ -2085,6 +2098,8 @@ def run_cli(args):
     prompts = read_prompts(args.prompts) if not args.serve else None
     if args.serve:
         check_port_free(args.host, args.port)
+    if args.beam_width is not None:
+        check_beam_flags(args)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
@@ -2111,8 +2126,7 @@ def run_cli(args):
     if not args.quiet:
         for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
-                sample = f" (sample {c.index + 1} of {len(out.outputs)})" if len(out.outputs) > 1 else ""
-                print(f"--- prompt: {prompt!r}{sample}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+                print(format_sample(prompt, c, len(out.outputs), beam=args.beam_width is not None))
     if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
         with open(args.output, "w", encoding="utf-8") as f:
             for prompt, out in zip(prompts, outputs):
@@ -2125,12 +2139,47 @@ def run_cli(args):
           f"output tokens/s: {num_out / seconds:.1f}, prefix cache hit rate: {num_cached / num_prompt:.1%}")
 
 
+def check_beam_flags(args):
+    """Beam search takes --max-tokens and --ignore-eos; a flag it would ignore is an error, as the server's 400."""
+    s = SamplingParams()
+    given = {"--n": args.n != s.n, "--temperature": args.temperature != s.temperature, "--top-p": args.top_p != s.top_p,
+             "--top-k": args.top_k != s.top_k, "--min-p": args.min_p != s.min_p, "--stop": bool(args.stop),
+             "--stop-token-ids": bool(args.stop_token_ids), "--seed": args.seed is not None,
+             "--json-schema": args.json_schema is not None, "--regex": args.regex is not None}
+    taken = [flag for flag, is_given in given.items() if is_given]
+    if taken:
+        raise ValueError(f"--beam-width does not take {', '.join(taken)} (beam search keeps the --beam-width most likely sequences)")
+
+
+def format_sample(prompt, c: CompletionOutput, num_outputs, beam=False):
+    if beam:  # best first: its rank and the sum of its tokens' log-probabilities, which ranks it
+        label = f" (beam {c.index + 1} of {num_outputs}, cumulative logprob {c.cumulative_logprob:.3f})"
+    else:
+        label = f" (sample {c.index + 1} of {num_outputs})" if num_outputs > 1 else ""
+    text = c.text
+    if not text:  # an empty line would read as a missing answer
+        text = "(empty: the model ended at once)" if c.finish_reason == "stop" and len(c.token_ids) <= 1 else "(empty: its tokens decode to no text)"
+    return f"--- prompt: {prompt!r}{label}\n{text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]"
+
+
+def in_cli_words(message, parser):
+    """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
+    the flags --max-tokens and --max-num-seqs."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+
+    def flag(m):
+        return flags.get(m.group(1) or m.group(2), m.group(0))
+
+    return re.sub(r"\b(?:SamplingParams|BeamSearchParams|EngineConfig)\.(\w+)|\b([a-z]+(?:_[a-z]+)+)\b", flag, message)
+
+
 def main(argv=None):
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     try:
         run_cli(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_cli_words(str(e), parser)}", file=sys.stderr)
         sys.exit(1)
 
 
