@@ -36,7 +36,9 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
+import contextlib
 import dataclasses
+import functools
 import gc
 import glob
 import hashlib
@@ -779,14 +781,15 @@ def load_model(path, dtype, device, on_config=None):
         path = os.path.dirname(os.path.abspath(path))
     elif not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    hf_config = AutoConfig.from_pretrained(path, **gguf)
-    cfg = ModelConfig.from_hf(hf_config)
-    if on_config is not None:
-        on_config(hf_config, cfg)
-    if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
-        raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
-    tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
-    state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path)
+    with parse_gguf_once():  # the config, the tokenizer and the weights of a .gguf from one parse of it
+        hf_config = AutoConfig.from_pretrained(path, **gguf)
+        cfg = ModelConfig.from_hf(hf_config)
+        if on_config is not None:
+            on_config(hf_config, cfg)
+        if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
+            raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
+        tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+        state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path)
     with torch.device("meta"):
         model = Model(cfg).to(dtype)  # no memory yet: the checkpoint fills it, cast to dtype as it is copied in
     model = model.to_empty(device=device)
@@ -802,6 +805,25 @@ def load_model(path, dtype, device, on_config=None):
         model.lm_head.weight = model.model.embed_tokens.weight
     kernels.pack_linears_cpu(model)  # bf16 on a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
+
+
+@contextlib.contextmanager
+def parse_gguf_once():
+    """transformers parses a .gguf file with gguf.GGUFReader (seconds: every token of the vocabulary is
+    a Python object) once for the config, twice for the tokenizer and once more for the weights, and
+    builds gguf's tensor-name table once per submodule of the model (hundreds of times). Inside this
+    block the first of each serves the rest: gguf's two functions are swapped for memoized ones (its
+    callers import them from gguf at each call, so they find these)."""
+    import gguf
+
+    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    for name, fn in originals.items():
+        setattr(gguf, name, functools.lru_cache(maxsize=None)(fn))  # the arguments are paths, names and ints: hashable
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(gguf, name, fn)
 
 
 def _load_hf_weights(path):
