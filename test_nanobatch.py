@@ -2910,7 +2910,11 @@ def test_cli_names_a_folder_without_tokenizer_files(tmp_path, tiny_models):
     assert r.returncode == 1 and r.stderr.strip().startswith(f"error: no tokenizer files in '{folder}'"), r.stderr
 
 
-def test_cli_prints_empty_samples_and_beams_plainly():
+def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--beam-width", "2", "--max-tokens", "3", "--num-kv-blocks", "64", stdin="Hello\n")
+    assert r.returncode == 0, r.stderr
+    headers = [line for line in r.stdout.splitlines() if line.startswith("--- prompt")]
+    assert [h.split("(")[-1].split(",")[0] for h in headers] == ["beam 1 of 2", "beam 2 of 2"] and all("cumulative logprob -" in h for h in headers)
     ended = nanobatch.CompletionOutput(1, "", [2], "stop")
     assert nanobatch.format_sample("Hi", ended, 3).splitlines()[1] == "(empty: the model ended at once)"
     beam = nanobatch.CompletionOutput(0, " there", [5, 6], "length", cumulative_logprob=-1.23456)
