@@ -2079,7 +2079,7 @@ def test_health_and_models(server):
     assert request(server, "GET", "/health") == (200, {"status": "ok"})
     status, body = request(server, "GET", "/v1/models")
     assert status == 200 and body["object"] == "list"
-    assert body["data"][0]["id"] == os.path.basename(server.engine.llm.config.model) and body["data"][0]["max_model_len"] == 512
+    assert body["data"][0]["id"] == server.engine.llm.config.model and body["data"][0]["max_model_len"] == 512
 
 
 @pytest.mark.parametrize("seed_request", SEED_REQUESTS, ids=["france", "planet", "hamlet"])
