@@ -1207,9 +1207,11 @@ def plot(path, results, workload):
 def run_engine_systems(args, model_path, device, results, runs, extra):
     """Every nanobatch system on one engine (one model load); returns the workload built from its vocab."""
     bandwidth = copy_bandwidth(device) if args.roofline else None
+    start = time.perf_counter()
     llm = load_nanobatch(model_path, args)
+    extra["load_seconds"] = time.perf_counter() - start  # LLM(...): config, tokenizer, weights, KV pool (what a user waits for first)
     workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size, args.beam_width)
-    details = []
+    details = [f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"]
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
         run_structured(llm, workload, warmup, device, results, runs, details)

@@ -71,11 +71,13 @@ Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernel
 
 import contextlib
 import functools
+import glob
 import math
 import os
 import re
 import subprocess
 import tempfile
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -846,6 +848,7 @@ def _compile(loops, probe, what, fallback):
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
+    announce_compile(loops)
     try:
         # cache=True: compiled once per machine (seconds), then loaded from __pycache__; reassoc lets the
         # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
@@ -863,6 +866,19 @@ def _compile(loops, probe, what, fallback):
     return run
 
 
+def announce_compile(loops):
+    """A first run compiles the loops (tens of seconds on a few cores, while the first step waits):
+    say so once, unless numba's cache (__pycache__/kernels.<name>-<line>.*.nbi) already has them."""
+    global _announced
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
+    if _announced or glob.glob(os.path.join(folder, f"{__name__}.{loops.__name__}-*.nbi")):
+        return
+    _announced = True
+    print("nanobatch: compiling the CPU loops with numba, once per machine (up to a minute on 2 cores; later runs load them from its cache)",
+          file=sys.stderr, flush=True)
+
+
+_announced = False  # announce_compile has spoken
 prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.

@@ -36,8 +36,10 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
+import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import glob
 import hashlib
@@ -46,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -168,6 +171,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -762,6 +766,9 @@ def default_model_path():
     return files[0]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a HF folder's tokenizer
+
+
 def load_model(path, dtype, device, on_config=None, tp=None):
     """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
     config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once.
@@ -779,12 +786,15 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         path = os.path.dirname(os.path.abspath(path))
     elif not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    hf_config = AutoConfig.from_pretrained(path, **gguf)
-    cfg = ModelConfig.from_hf(hf_config)
-    if on_config is not None:
-        on_config(hf_config, cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
-    state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path, tp)
+    with parse_gguf_once():  # the config, the tokenizer and the weights of a .gguf from one parse of it
+        hf_config = AutoConfig.from_pretrained(path, **gguf)
+        cfg = ModelConfig.from_hf(hf_config)
+        if on_config is not None:
+            on_config(hf_config, cfg)
+        if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
+            raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
+        tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+        state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path, tp)
     with torch.device("meta"):
         model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint fills it, cast to dtype as it is copied in
     model = model.to_empty(device=device)
@@ -801,6 +811,25 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     parallelize(model, cfg, tp)  # hook (Tensor parallelism): the all-reduces and the logits gather
     kernels.pack_linears_cpu(model)  # bf16 on a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
+
+
+@contextlib.contextmanager
+def parse_gguf_once():
+    """transformers parses a .gguf file with gguf.GGUFReader (seconds: every token of the vocabulary is
+    a Python object) once for the config, twice for the tokenizer and once more for the weights, and
+    builds gguf's tensor-name table once per submodule of the model (hundreds of times). Inside this
+    block the first of each serves the rest: gguf's two functions are swapped for memoized ones (its
+    callers import them from gguf at each call, so they find these)."""
+    import gguf
+
+    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+    for name, fn in originals.items():
+        setattr(gguf, name, functools.lru_cache(maxsize=None)(fn))  # the arguments are paths, names and ints: hashable
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(gguf, name, fn)
 
 
 def _load_hf_weights(path, tp=None):
@@ -1415,6 +1444,8 @@ def check_fits(llm, token_ids, params):
     if num_beams > 1 and 2 * num_beams > llm.model_config.vocab_size:
         raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {llm.model_config.vocab_size}")
     params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
+    if params.max_tokens is not None and params.max_tokens > llm.max_model_len:  # vLLM's 400: it could never be reached
+        raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len={llm.max_model_len}. Please request fewer output tokens.")
     if len(token_ids) >= llm.max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
     if params.n > llm.config.max_num_seqs:
@@ -1460,6 +1491,10 @@ class EngineStats:
 def record_stats(llm, batch):
     s = llm.stats
     s.num_steps += 1
+    now = time.perf_counter()
+    for seq in batch.seqs:
+        if seq.request.metrics.first_scheduled_time is None:  # its queue time ends (vLLM's request_queue_time_seconds)
+            seq.request.metrics.first_scheduled_time = now
     s.num_preemptions += batch.num_preempted
     in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
     if in_use > s.peak_blocks_in_use:
@@ -2414,6 +2449,8 @@ def run_cli(args):
     prompts = read_prompts(args.prompts) if not args.serve else None
     if args.serve:
         check_port_free(args.host, args.port)
+    if args.beam_width is not None:
+        check_beam_flags(args)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
@@ -2440,8 +2477,7 @@ def run_cli(args):
     if not args.quiet:
         for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
-                sample = f" (sample {c.index + 1} of {len(out.outputs)})" if len(out.outputs) > 1 else ""
-                print(f"--- prompt: {prompt!r}{sample}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+                print(format_sample(prompt, c, len(out.outputs), beam=args.beam_width is not None))
     if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
         with open(args.output, "w", encoding="utf-8") as f:
             for prompt, out in zip(prompts, outputs):
@@ -2454,12 +2490,47 @@ def run_cli(args):
           f"output tokens/s: {num_out / seconds:.1f}, prefix cache hit rate: {num_cached / num_prompt:.1%}")
 
 
+def check_beam_flags(args):
+    """Beam search takes --max-tokens and --ignore-eos; a flag it would ignore is an error, as the server's 400."""
+    s = SamplingParams()
+    given = {"--n": args.n != s.n, "--temperature": args.temperature != s.temperature, "--top-p": args.top_p != s.top_p,
+             "--top-k": args.top_k != s.top_k, "--min-p": args.min_p != s.min_p, "--stop": bool(args.stop),
+             "--stop-token-ids": bool(args.stop_token_ids), "--seed": args.seed is not None,
+             "--json-schema": args.json_schema is not None, "--regex": args.regex is not None}
+    taken = [flag for flag, is_given in given.items() if is_given]
+    if taken:
+        raise ValueError(f"--beam-width does not take {', '.join(taken)} (beam search keeps the --beam-width most likely sequences)")
+
+
+def format_sample(prompt, c: CompletionOutput, num_outputs, beam=False):
+    if beam:  # best first: its rank and the sum of its tokens' log-probabilities, which ranks it
+        label = f" (beam {c.index + 1} of {num_outputs}, cumulative logprob {c.cumulative_logprob:.3f})"
+    else:
+        label = f" (sample {c.index + 1} of {num_outputs})" if num_outputs > 1 else ""
+    text = c.text
+    if not text:  # an empty line would read as a missing answer
+        text = "(empty: the model ended at once)" if c.finish_reason == "stop" and len(c.token_ids) <= 1 else "(empty: its tokens decode to no text)"
+    return f"--- prompt: {prompt!r}{label}\n{text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]"
+
+
+def in_cli_words(message, parser):
+    """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
+    the flags --max-tokens and --max-num-seqs."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+
+    def flag(m):
+        return flags.get(m.group(1) or m.group(2), m.group(0))
+
+    return re.sub(r"\b(?:SamplingParams|BeamSearchParams|EngineConfig)\.(\w+)|\b([a-z]+(?:_[a-z]+)+)\b", flag, message)
+
+
 def main(argv=None):
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     try:
         run_cli(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_cli_words(str(e), parser)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from http import HTTPStatus
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -52,8 +53,8 @@ import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -78,20 +79,24 @@ log = logging.getLogger("nanobatch")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
-    served_model_name: str | None = None  # the `model` clients name; default: the model folder (or .gguf file) name
+    served_model_name: str | None = None  # the `model` clients name; default: the model argument as given (vLLM's default)
     limit_concurrency: int | None = None  # connections + requests in flight past which requests get a 503 (uvicorn's)
     timeout_keep_alive: int = 5  # seconds a connection gets to send each request head (from connecting, or its last response)
 
 
 class ServerError(Exception):
-    """A request the server refuses or fails: sent as {"error": {"message", "type", "code"}} with this status."""
+    """A request the server refuses or fails: sent as {"error": {"message", "type", "param", "code"}} with
+    this status. type is vLLM's: the status's name, "BadRequestError", "NotFoundError", ...; param
+    names the request field at fault, when one is."""
 
-    def __init__(self, message, status=400, type="invalid_request_error"):
+    def __init__(self, message, status=400, param=None):
         super().__init__(message)
-        self.status, self.type = status, type
+        self.status, self.param = status, param
+        name = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+        self.type = name if name.endswith("Error") else name + "Error"
 
     def body(self):
-        return {"error": {"message": str(self), "type": self.type, "code": self.status}}
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
 
 
 # ---- Engine thread ----
@@ -168,7 +173,7 @@ class EngineLoop:
 
     def _post(self, message):
         if not self.thread.is_alive():
-            raise ServerError("the engine is not running", 503, "service_unavailable")
+            raise ServerError("the engine is not running", 503)
         self.inbox.put(message)
 
     def stop(self, timeout=10):
@@ -225,7 +230,7 @@ class EngineLoop:
             return self._refuse(sub, added, ServerError(where + str(e)))
         except Exception:  # a bug, not the client's fault: fail this request, keep serving
             log.exception("could not add request %s", sub.request_ids[0])
-            return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+            return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500))
         for index, request_id in enumerate(added):
             self.outboxes[request_id] = (sub.deliver, index)
 
@@ -239,7 +244,7 @@ class EngineLoop:
             outputs = self.llm.step()
         except Exception:  # fail the running requests, not the server
             log.exception("engine step failed; failing the running requests")
-            return self._fail_all(ServerError(INTERNAL_ERROR, 500, "internal_server_error"))
+            return self._fail_all(ServerError(INTERNAL_ERROR, 500))
         self._deliver(outputs)
 
     def _deliver(self, outputs):
@@ -265,7 +270,7 @@ class EngineLoop:
             pass
 
     def _close(self):
-        closing = ServerError("the server is shutting down", 503, "service_unavailable")
+        closing = ServerError("the server is shutting down", 503)
         for message in self._drain(block=False):  # whatever came in after "stop"
             if message[0] == "add":
                 message[1].deliver(closing)
@@ -278,34 +283,53 @@ class EngineLoop:
 
 
 class ServerMetrics:
-    """vLLM's Prometheus metrics, same names and meanings, so that a dashboard made for vLLM reads
-    them. Counted in the engine thread from each RequestOutput; the gauges are read from the
-    scheduler and the block allocator when /metrics is scraped. One registry per server."""
+    """vLLM's Prometheus metrics under its current (0.32) names, labels (model_name, engine) and
+    meanings, so that a dashboard made for vLLM reads them. Counted in the engine thread from each
+    RequestOutput; the gauges and the preemption count are read from the engine when /metrics is
+    scraped. One registry per server."""
 
     TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-    TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-    E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+    ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+    REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-    def __init__(self, model_name):
+    def __init__(self, model_name, llm: LLM):
+        disable_created_metrics()  # as vLLM: no *_created series (a process-wide setting of prometheus_client)
         self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "engine": "0"}  # one engine per server (vLLM numbers its data-parallel engines)
 
         def metric(kind, name, doc, **kwargs):
-            return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
+            return kind(name, doc, list(labels), registry=self.registry, **kwargs).labels(**labels)
 
+        token_buckets = [b * 10**e for e in range(len(str(llm.max_model_len))) for b in (1, 2, 5) if b * 10**e <= llm.max_model_len]  # vLLM's 1-2-5 series
         self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
-        self.gpu_kv_usage = metric(Gauge, "vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc.")
+        self.preemptions = metric(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).")
         self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
+        self.request_prompt_tokens = metric(Histogram, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", buckets=token_buckets)
+        self.request_generation_tokens = metric(Histogram, "vllm:request_generation_tokens", "Generated tokens per finished request (all samples).", buckets=token_buckets)
+        self.request_max_generation = metric(Histogram, "vllm:request_max_num_generation_tokens", "Tokens of the longest sample per finished request.", buckets=token_buckets)
+        self.request_n = metric(Histogram, "vllm:request_params_n", "Samples (or beams) per finished request.", buckets=(1, 2, 5, 10, 20))
         self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
-        self.tpot = metric(Histogram, "vllm:time_per_output_token_seconds", "Time per output token after the first.", buckets=self.TPOT_BUCKETS)
-        self.e2e = metric(Histogram, "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=self.E2E_BUCKETS)
-        success = Counter("vllm:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self.itl = metric(Histogram, "vllm:inter_token_latency_seconds", "Time between two tokens of a sample.", buckets=self.ITL_BUCKETS)
+        self.tpot = metric(Histogram, "vllm:request_time_per_output_token_seconds", "Per request: time per output token after the first.", buckets=self.ITL_BUCKETS)
+        self.e2e = metric(Histogram, "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=self.REQUEST_BUCKETS)
+        self.queue = metric(Histogram, "vllm:request_queue_time_seconds", "Arrival to first scheduled.", buckets=self.REQUEST_BUCKETS)
+        self.inference = metric(Histogram, "vllm:request_inference_time_seconds", "First scheduled to finish.", buckets=self.REQUEST_BUCKETS)
+        self.prefill = metric(Histogram, "vllm:request_prefill_time_seconds", "First scheduled to first token.", buckets=self.REQUEST_BUCKETS)
+        self.decode = metric(Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort")}
+        c = llm.config  # vLLM's cache_config_info: the KV cache's settings as labels of a constant 1
+        info = {"block_size": c.block_size, "num_gpu_blocks": llm.allocator.num_blocks, "enable_prefix_caching": c.enable_prefix_caching,
+                "cache_dtype": "auto", "gpu_memory_utilization": c.gpu_memory_utilization}
+        info = {k: str(v) for k, v in info.items()}
+        Gauge("vllm:cache_config_info", "Information of the KV cache config.", [*labels, *info], registry=self.registry).labels(**labels, **info).set(1)
         self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
+        self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
     def observe(self, out: RequestOutput):
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -324,28 +348,41 @@ class ServerMetrics:
     def _observe_finished(self, out):
         reasons = {c.finish_reason for c in out.outputs}
         self.success["abort" if "abort" in reasons else "length" if "length" in reasons else "stop"].inc()
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.request_max_generation.observe(longest)
+        self.request_n.observe(len(out.outputs))
         m = out.metrics
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference.observe(m.finished_time - m.first_scheduled_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
-            longest = max(len(c.token_ids) for c in out.outputs)
+            self.decode.observe(m.finished_time - m.first_token_time)
+            if m.first_scheduled_time is not None:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
             if longest > 1:  # samples run side by side: time per token of the longest
-                self.tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
+                mean_gap = (m.finished_time - m.first_token_time) / (longest - 1)
+                self.tpot.observe(mean_gap)
+                for _ in range(longest - 1):  # one per gap, as vLLM counts them; only the final output is seen, so each is the mean gap
+                    self.itl.observe(mean_gap)
 
     def read_engine(self, llm: LLM):
         """The gauges, read in the engine thread."""
         self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
         self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
-        usage = 1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks
-        self.kv_usage.set(usage)
-        self.gpu_kv_usage.set(usage)
+        self.kv_usage.set(1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks)
+        self.preemptions.inc(llm.stats.num_preemptions - self.preemptions_read)
+        self.preemptions_read = llm.stats.num_preemptions
 
 
 # ---- Request bodies ----
 #
-# pydantic checks the JSON types (strictly: "10" is not a number), SamplingParams the values.
+# pydantic checks the JSON types (strictly, but for numbers: see Int), SamplingParams the values.
 
 
 def structured_outputs_from_request(body):
@@ -405,6 +442,12 @@ Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
 Prompt = Annotated[str | list[int] | list[str] | list[list[int]], one_of("a string, a list of token ids, or a list of either (a batch)")]
 
 
+# Numbers may come as numeric strings ("max_tokens": "5"), as vLLM's lax pydantic models take them;
+# every other type is strict.
+Int = Annotated[int, Strict(False)]
+Float = Annotated[float, Strict(False)]
+
+
 class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")  # unknown fields are ignored, as vLLM does
 
@@ -412,24 +455,24 @@ class Body(BaseModel):
 class Sampling(Body):
     """SamplingParams fields under their (vLLM) names; None: the SamplingParams default."""
 
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
+    n: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    max_tokens: Int | None = None
     stop: Stop | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
     logit_bias: dict[int, float] | None = None  # JSON keys are strings: {"50256": -100}
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
 
     def sampling_params(self, **fields):
         """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
@@ -445,7 +488,7 @@ class Generate(Sampling):
     model_config = ConfigDict(extra="forbid")
     prompt: str
     stream: bool | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     use_beam_search: bool = False
     length_penalty: float | None = None  # beam search: a finished beam scores cum_logprob / length ** length_penalty
 
@@ -473,9 +516,9 @@ class OpenAI(Sampling):
 class Completion(OpenAI):
     prompt: Prompt
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     suffix: Any = None
-    best_of: int | None = None
+    best_of: Int | None = None  # taken and ignored, as vLLM 0.32 does (no best-of ranking: n samples come back)
 
 
 class TextPart(Body):
@@ -495,8 +538,8 @@ class Message(Body):
 class Chat(OpenAI):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int | None = None
+    max_completion_tokens: Int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -520,7 +563,6 @@ class Detokenize(Body):
 # here and reads the field from the request model.
 UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refused)
     "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
-    "best_of": (lambda v, body: v is not None and v > (body.n or 1), "nanobatch has no best-of ranking; ask for n samples"),
     "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
@@ -531,7 +573,7 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_jso
 def reject_unsupported(body):
     for name, (asked, why) in UNSUPPORTED_FIELDS.items():
         if asked(getattr(body, name, None), body):
-            raise ServerError(f"'{name}' is not supported: {why}")
+            raise ServerError(f"'{name}' is not supported: {why}", param=name)
     return body
 
 
@@ -589,7 +631,8 @@ async def read_json(request, model):
     try:
         return model.model_validate_json(body)
     except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
-        raise ServerError(validation_message(e)) from None
+        loc = e.errors(include_url=False)[0]["loc"]
+        raise ServerError(validation_message(e), param=".".join(map(str, loc)) or None) from None
 
 
 async def read_body(request):
@@ -616,9 +659,10 @@ def visible_text(completion, params):
     return completion.text[: max(0, len(completion.text) - hold)]
 
 
-def usage_counts(outs, prompt_only=False):
+def usage_counts(outs):
+    # echo with max_tokens 0 counts its one dropped token, as vLLM does (it is computed)
     num_prompt = sum(len(o.prompt_token_ids) for o in outs)
-    num_output = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
+    num_output = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
 
@@ -723,8 +767,7 @@ class OpenAIFormat:
     """OpenAI completions (chat=False) or chat completions (chat=True), whole or as server-sent
     events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n"). Choice i * n + j is sample j of prompt i.
 
-    Usage in a stream: with stream_options.include_usage, a last chunk with no choices
-    (as OpenAI); otherwise on the chunk that finishes the last sample."""
+    Usage in a stream: only with stream_options.include_usage, on a last chunk with no choices (as OpenAI)."""
 
     content_type = "text/event-stream"
 
@@ -774,7 +817,7 @@ class OpenAIFormat:
                 if self.prompt_logprobs:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
-        return {**self.envelope(choices, chunk=False), "usage": usage_counts(outs, self.prompt_only)}
+        return {**self.envelope(choices, chunk=False), "usage": usage_counts(outs)}
 
     def chunks(self, index, out):
         events = []
@@ -787,16 +830,14 @@ class OpenAIFormat:
             if new is None:
                 continue
             delta, entries, finish_reason = new
-            content = {"delta": {"content": delta} if delta else {}} if self.chat else {"text": delta}
-            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}], True))
+            content = {"delta": {"content": delta}} if self.chat else {"text": delta}  # the last chat delta too: {"content": ""}, as vLLM
+            stop_reason = c.stop_reason if finish_reason else None  # sent on every chunk, set on the last (vLLM's field)
+            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": stop_reason}], True))
         if out.finished:
             self.finished[index] = out
         if len(self.finished) == self.num_prompts:  # the last prompt just finished
-            usage = usage_counts(list(self.finished.values()), self.prompt_only)
-            if self.include_usage:
-                events.append({**self.envelope([], True), "usage": usage})
-            elif events:
-                events[-1]["usage"] = usage
+            if self.include_usage:  # else no usage at all, as OpenAI and vLLM
+                events.append({**self.envelope([], True), "usage": usage_counts(list(self.finished.values()))})
         return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
 
     def tail(self):
@@ -865,7 +906,8 @@ async def unless_hung_up(request, pending, work):
         if not work.done():
             work.cancel()
             pending.abort()
-    return work.result() if not work.cancelled() else None
+    # a just-cancelled task is not done yet: its result() would raise InvalidStateError
+    return work.result() if work.done() and not work.cancelled() else None
 
 
 async def hang_up(request):
@@ -884,7 +926,7 @@ async def refused(request, e: ServerError):
 async def no_route(request, e: HTTPException):  # Starlette's 404 / 405
     method, path = request.method, request.url.path
     message = {404: f"no such endpoint: {method} {path}", 405: f"{path} takes {(e.headers or {}).get('Allow')}, not {method}"}
-    error = ServerError(message.get(e.status_code, str(e.detail)), e.status_code, "not_found_error" if e.status_code == 404 else "invalid_request_error")
+    error = ServerError(message.get(e.status_code, str(e.detail)), e.status_code)
     return JSONResponse(error.body(), e.status_code, headers=e.headers)
 
 
@@ -893,12 +935,13 @@ async def hung_up(request, e):  # the client left while sending its body: nobody
 
 
 async def bug(request, e):  # uvicorn logs the traceback; the client gets no internals
-    return JSONResponse(ServerError(INTERNAL_ERROR, 500, "internal_server_error").body(), 500)
+    return JSONResponse(ServerError(INTERNAL_ERROR, 500).body(), 500)
 
 
 def check_model(server, body):
     if body.model is not None and body.model != server.model_name:
-        raise ServerError(f"The model `{body.model}` does not exist.", 404, "not_found_error")  # vLLM's words
+        # vLLM's words, and the name that would do
+        raise ServerError(f"The model `{body.model}` does not exist. Valid model names: {server.model_name}", 404, "model")
     return body
 
 
@@ -969,7 +1012,8 @@ async def completions(request: Request):
     params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, body.prompt_logprobs is not None)
+    with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
+    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, with_prompt_logprobs)
     sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
     return await respond(request, sub, fmt, bool(body.stream))
 
@@ -1114,7 +1158,7 @@ class Server:
         self.model_name = config.served_model_name or served_model_name(llm)
         self.max_model_len, self.created = llm.max_model_len, int(time.time())
         self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, llm)
         self.engine = EngineLoop(llm, self.metrics)
         self.uvicorn = uvicorn.Server(uvicorn.Config(
             build_app(self), http=HTTPProtocol, ws="none", lifespan="off", log_config=log_config, backlog=128,
@@ -1147,8 +1191,8 @@ class Server:
 
 
 def served_model_name(llm):
-    path = os.path.normpath(llm.config.model or default_model_path())
-    return os.path.splitext(os.path.basename(path))[0] if path.endswith(".gguf") else os.path.basename(path)
+    # as vLLM: the model argument as given (clients such as `vllm bench serve --model X` send X back)
+    return llm.config.model or default_model_path()
 
 
 def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):

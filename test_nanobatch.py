@@ -1558,7 +1558,8 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
         (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
         (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
         (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
-        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "KV blocks"),
+        (lambda: llm.generate(["a"], SamplingParams(max_tokens=1000)), "KV blocks"),  # 768 slots in the pool
+        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "max_tokens=100000 cannot be greater than max_model_len=1024"),  # vLLM's words
         (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
     ]
     for call, message in cases:
@@ -2303,7 +2304,7 @@ def test_health_and_models(server):
     assert request(server, "GET", "/health") == (200, {"status": "ok"})
     status, body = request(server, "GET", "/v1/models")
     assert status == 200 and body["object"] == "list"
-    assert body["data"][0]["id"] == os.path.basename(server.engine.llm.config.model) and body["data"][0]["max_model_len"] == 512
+    assert body["data"][0]["id"] == server.engine.llm.config.model and body["data"][0]["max_model_len"] == 512
 
 
 @pytest.mark.parametrize("seed_request", SEED_REQUESTS, ids=["france", "planet", "hamlet"])
@@ -2404,7 +2405,7 @@ def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
         scored = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0)
         [choice] = scored.choices
         lp = choice.logprobs
-        assert choice.text == text and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+        assert choice.text == text and scored.usage.completion_tokens == 1 and scored.usage.prompt_tokens == len(ids)  # vLLM counts the dropped token
         assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-4
         assert all(abs(max(top.values()) - logp[i].max().item()) < 1e-4 for i, top in enumerate(lp.top_logprobs[1:]))
@@ -2452,13 +2453,32 @@ def test_wrong_model_gets_404(server_model_dir):
         with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist."):
             client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        status, answer = post(at_url(url), "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid model names: my-model",
+                                                     "type": "NotFoundError", "param": "model", "code": 404}  # vLLM's fields
     finally:
         srv.stop()
 
 
+def test_served_model_name_is_the_model_argument(server, server_model_dir):
+    assert server.model_name == str(server_model_dir)  # as given, as vLLM (`vllm bench serve --model X` sends X)
+    assert post(server, "/v1/completions", {"model": str(server_model_dir), "prompt": "hi", "max_tokens": 1})[0] == 200
+
+
+def test_what_vllm_accepts_is_accepted(server):
+    """Recorded against vLLM 0.32: numeric strings for numbers and best_of get a 200; echo + logprobs
+    also returns prompt_logprobs; a field error names the field in `param`."""
+    status, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "3", "temperature": "0", "best_of": 1, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    status, body = post(server, "/v1/completions", {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 0})
+    [choice] = body["choices"]
+    assert status == 200 and len(choice["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and choice["prompt_logprobs"][0] is None
+    status, answer = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "ten"})
+    assert status == 400 and answer["error"]["param"] == "max_tokens" and answer["error"]["type"] == "BadRequestError"
+
+
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
     ("completions", "suffix", "!"),
-    ("completions", "best_of", 3),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("chat", "use_beam_search", True),
 ]
@@ -2553,7 +2573,8 @@ def test_completions_stream_sse(server):
     assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
     assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
     assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None] * len(events)  # vLLM's field on every chunk (None: not a stop string)
 
 
 def test_stream_holds_back_a_partial_stop_string(server):
@@ -2581,7 +2602,8 @@ def test_chat_stream_sse(server):
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"] == whole["usage"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
+    assert all("content" in e["choices"][0]["delta"] for e in events)  # an empty last delta is {"content": ""}, as vLLM's (not {})
 
 
 def test_generate_stream_sends_each_logprob_once(server):
@@ -2693,7 +2715,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
     ("/generate", {"prompt": ""}, "prompt is empty"),
     ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
-    ("/generate", {"prompt": "hi", "max_tokens": "10"}, "'max_tokens': Input should be a valid integer"),
+    ("/generate", {"prompt": "hi", "max_tokens": "ten"}, "'max_tokens': Input should be a valid integer"),  # "10" is taken, as vLLM
     ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
@@ -2709,6 +2731,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens=1000000 cannot be greater than max_model_len="),  # vLLM's 400
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
@@ -2722,7 +2745,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
 @pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
     status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert status == 400 and answer["error"]["type"] == "BadRequestError"  # vLLM's type names
     assert words in answer["error"]["message"], answer
     assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
 
@@ -2763,7 +2786,7 @@ def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
 
     server.engine.call(break_next_step)
     status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
-    assert status == 500 and answer["error"]["type"] == "internal_server_error"
+    assert status == 500 and answer["error"]["type"] == "InternalServerError"
     assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
     wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
@@ -2790,7 +2813,7 @@ def metric_values(server):
     values = {}
     for family in text_string_to_metric_families(resp.read().decode()):
         for sample in family.samples:
-            assert sample.labels["model_name"] == server.model_name
+            assert sample.labels["model_name"] == server.model_name and sample.labels["engine"] == "0"
             values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
     conn.close()
     return values
@@ -2813,10 +2836,38 @@ def test_metrics_count_the_requests_sent(server):
     assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
     assert delta("vllm:generation_tokens_total") == 3 * 3
     assert delta("vllm:request_success_total", "length") == 3
-    for histogram in ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"]:
+    for histogram in ["vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"]:
         assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 * 2  # one per gap between two tokens
+    assert delta("vllm:request_prompt_tokens_sum") == num_prompt and delta("vllm:request_generation_tokens_sum") == 3 * 3
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
-    assert after[("vllm:kv_cache_usage_perc", None)] == after[("vllm:gpu_cache_usage_perc", None)] == 0
+    assert after[("vllm:kv_cache_usage_perc", None)] == 0
+
+
+# vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
+# made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
+VLLM_METRICS = {
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
+    "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"],
+    "histogram": ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
+                  "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
+                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
+                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"],
+}
+
+
+def test_metrics_scrape_has_vllms_families(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = connect(server)
+    conn.request("GET", "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(conn.getresponse().read().decode())}
+    conn.close()
+    assert {name: f.type for name, f in families.items()} == {name: kind for kind, names in VLLM_METRICS.items() for name in names}
+    [info] = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"
 
 
 # -- The HTTP stack (uvicorn): connections, framing, logs --
@@ -2947,6 +2998,15 @@ def test_client_hang_ups_log_no_tracebacks(server, caplog):
     conn.sock.close()
     conn.close()
     wait_all_blocks_free(server)
+    before = engine_state(server)["output_tokens"]
+    conn = connect(server)  # a client that gives up on a whole answer (curl -m 5): no InvalidStateError
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, **GREEDY_JSON}))
+    deadline = time.monotonic() + 10
+    while engine_state(server)["output_tokens"] == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.sock.close()
+    conn.close()
+    wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "still fine?", "max_tokens": 2})[0] == 200
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
     assert not noisy, [r.getMessage() for r in noisy]
@@ -3000,7 +3060,11 @@ def test_cli_reads_stdin_with_chat_template(tiny_models):
         (["--prompts", "/no/such/file.txt"], "prompts file '/no/such/file.txt' does not exist"),
         (["--model", "/no/such/model", "--prompts", "EMPTY"], "has no prompts"),
         (["--model", "/no/such/model", "--prompts", "PROMPTS"], "model path '/no/such/model' does not exist"),
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "SamplingParams.top_p"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "--top-p must be in (0, 1], got 7.0"),  # the flag, not the field
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "-1"], "--max-tokens must be an integer >= 1"),
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-num-seqs", "4096"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (4096)"),
+        (["--prompts", "PROMPTS", "--beam-width", "2", "--n", "3", "--seed", "1"], "--beam-width does not take --n, --seed"),
+        (["--prompts", "PROMPTS", "--beam-width", "2", "--temperature", "0.5", "--stop", "x", "--regex", "a"], "--beam-width does not take --temperature, --stop, --regex"),
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, message):
@@ -3057,3 +3121,43 @@ def test_cli_json_schema_and_regex(tiny_models, tmp_path):
         assert len(rows) == 2 and all(row["finish_reason"] == "stop" and check(row["text"]) for row in rows), rows
     r = run_cli(*common, "--regex", "a", "--json-schema", str(tmp_path / "schema.json"))
     assert r.returncode == 1 and r.stderr.strip() == "error: give --json-schema or --regex, not both"
+
+
+def test_cli_names_a_folder_without_tokenizer_files(tmp_path, tiny_models):
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    src = tiny_models["llama-gqa-untied"][0]
+    for name in os.listdir(src):
+        if name in ("config.json",) or name.endswith(".safetensors"):
+            os.symlink(os.path.join(src, name), folder / name)
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    r = run_cli("--model", str(folder), "--prompts", str(tmp_path / "prompts.txt"))
+    assert r.returncode == 1 and r.stderr.strip().startswith(f"error: no tokenizer files in '{folder}'"), r.stderr
+
+
+def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
+    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--beam-width", "2", "--max-tokens", "3", "--num-kv-blocks", "64", stdin="Hello\n")
+    assert r.returncode == 0, r.stderr
+    headers = [line for line in r.stdout.splitlines() if line.startswith("--- prompt")]
+    assert [h.split("(")[-1].split(",")[0] for h in headers] == ["beam 1 of 2", "beam 2 of 2"] and all("cumulative logprob -" in h for h in headers)
+    ended = nanobatch.CompletionOutput(1, "", [2], "stop")
+    assert nanobatch.format_sample("Hi", ended, 3).splitlines()[1] == "(empty: the model ended at once)"
+    beam = nanobatch.CompletionOutput(0, " there", [5, 6], "length", cumulative_logprob=-1.23456)
+    assert nanobatch.format_sample("Hi", beam, 2, beam=True).splitlines()[0] == "--- prompt: 'Hi' (beam 1 of 2, cumulative logprob -1.235)"
+
+
+def test_pyproject_builds_an_installable_wheel(tmp_path):
+    """`pip install .` / `pip install git+<url>`: the three modules at top level and the `nanobatch` command."""
+    import zipfile
+
+    for name in ("pyproject.toml", "README.md", "nanobatch.py", "kernels.py", "server.py"):
+        os.symlink(os.path.join(HERE, name), tmp_path / name)  # a copy: the build writes build/ next to its sources
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tmp_path), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    [wheel] = (tmp_path / "dist").glob("nanobatch-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert {"nanobatch.py", "kernels.py", "server.py"} <= set(names)
+    assert "nanobatch = nanobatch:main" in entry_points
