@@ -19,7 +19,7 @@ nanobatch.py calls.
                                                greedy argmax over bf16 CPU tensors, as compiled loops (or
                                                None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
-    sample_nucleus / cpu_has_native_bf16       for oneDNN, the sampler's argmax and its top-p without a sort,
+    sample_nucleus / cpu_prefers_bf16          for oneDNN, the sampler's argmax and its top-p without a sort,
                                                and whether "auto" picks bf16 on this CPU
 
 Cache layout (one per layer, for K and for V):
@@ -936,17 +936,25 @@ def _rotary_loops(x, cos, sin, out):
 # ---- The CPU path: which dtype, weight packing, greedy argmax and top-p without a sort ----
 
 
-def cpu_has_native_bf16():
-    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
-    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
-    flags = ("avx512_bf16", "amx_bf16")
+def cpu_flags():
+    """This CPU's feature flags, as /proc/cpuinfo names them (empty where it cannot be read)."""
     if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
-        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
+        return {flag for flag, present in torch.cpu.get_capabilities().items() if present is True}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
+            return {flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
-        return False
+        return set()
+
+
+def cpu_prefers_bf16(flags=None):
+    """Whether dtype "auto" picks bfloat16 on this CPU (flags: cpu_flags() if None). Only with AMX: its tile
+    matmuls make bf16 weights the faster choice. AVX512-BF16 alone is not enough: there oneDNN's bf16
+    matmuls and the bf16 <-> fp32 conversions around them (norms, rotary, attention, logits) cost more than
+    reading half the bytes saves, and fp32 is the faster engine (measured: see the README's table).
+    Without either, torch emulates bf16, slower still."""
+    flags = cpu_flags() if flags is None else flags
+    return "amx_bf16" in flags
 
 
 class PackedLinear(torch.nn.Linear):
