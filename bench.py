@@ -53,7 +53,7 @@ the Python bookkeeping left (beam search picks its beams outside nanobatch.sampl
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
-nanobatch and HF; auto is the engine's own rule (bfloat16 on a GPU and on CPUs with AMX, else
+nanobatch and HF; auto is the engine's own rule (bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else
 float32), and the header line of the report names the dtype used.
 
 --kernels times the paged-attention kernel alone, no model loaded: paged_attention_triton next to torch's
@@ -1371,7 +1371,7 @@ def build_arg_parser():
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
-                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX, else float32")
+                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)

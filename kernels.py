@@ -937,24 +937,33 @@ def _rotary_loops(x, cos, sin, out):
 
 
 def cpu_flags():
-    """This CPU's feature flags, as /proc/cpuinfo names them (empty where it cannot be read)."""
+    """This CPU's feature flags as /proc/cpuinfo names them, plus "vendor:<vendor_id>" (empty where unreadable)."""
+    flags = set()
     if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
-        return {flag for flag, present in torch.cpu.get_capabilities().items() if present is True}
+        caps = torch.cpu.get_capabilities()
+        flags = {flag for flag, present in caps.items() if present is True}
+        flags |= {"vendor:AuthenticAMD"} if "AMD" in str(caps.get("cpu_name", "")) else set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return {flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    flags |= set(value.split())
+                elif key.strip() == "vendor_id":
+                    flags.add("vendor:" + value.strip())
     except OSError:
-        return set()
+        pass
+    return flags
 
 
 def cpu_prefers_bf16(flags=None):
-    """Whether dtype "auto" picks bfloat16 on this CPU (flags: cpu_flags() if None). Only with AMX: its tile
-    matmuls make bf16 weights the faster choice. AVX512-BF16 alone is not enough: there oneDNN's bf16
-    matmuls and the bf16 <-> fp32 conversions around them (norms, rotary, attention, logits) cost more than
-    reading half the bytes saves, and fp32 is the faster engine (measured: see the README's table).
-    Without either, torch emulates bf16, slower still."""
+    """Whether dtype "auto" picks bfloat16 on this CPU (flags: cpu_flags() if None), by what was measured
+    (the README's table): with AMX, bf16 (its tile matmuls); on an AMD CPU with AVX512-BF16, bf16 too (torch's
+    fp32 matmuls are 1.4-3x slower than oneDNN's packed bf16 ones there); on an Intel CPU with AVX512-BF16
+    but no AMX, fp32 (its bf16 matmuls and the conversions around them cost more than reading half the
+    bytes saves); without bf16 instructions torch emulates bf16, so fp32."""
     flags = cpu_flags() if flags is None else flags
-    return "amx_bf16" in flags
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and "vendor:AuthenticAMD" in flags)
 
 
 class PackedLinear(torch.nn.Linear):

@@ -75,7 +75,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
     enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA and on CPUs with AMX, else float32: kernels.cpu_prefers_bf16), "float32", "float16", "bfloat16"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
 
@@ -2067,7 +2067,7 @@ def build_arg_parser():
     g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks, help="KV pool size in blocks; None: 1 GiB on CPU, from --gpu-memory-utilization on CUDA")
     g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization, help="on CUDA: fraction of GPU memory to use")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with AMX, else float32")
+    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
     g = p.add_argument_group("server")  # defaults: server.ServerConfig's, written out (server.py loads only for --serve)
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
