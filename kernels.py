@@ -24,7 +24,7 @@ nanobatch.py calls.
                                                greedy argmax over bf16 CPU tensors, as compiled loops (or
                                                None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
-    sample_nucleus / cpu_has_native_bf16       for oneDNN, the sampler's argmax and its top-p without a sort,
+    sample_nucleus / cpu_prefers_bf16          for oneDNN, the sampler's argmax and its top-p without a sort,
                                                and whether "auto" picks bf16 on this CPU
 
 Cache layout (one per layer, for K and for V):
@@ -1144,17 +1144,34 @@ def _rotary_loops(x, cos, sin, out):
 # ---- The CPU path: which dtype, weight packing, greedy argmax and top-p without a sort ----
 
 
-def cpu_has_native_bf16():
-    """Whether this CPU has bfloat16 instructions (x86 AVX512-BF16 or AMX-BF16): there bf16 weights halve
-    the bytes each step reads and matmuls run natively; elsewhere torch emulates bf16, slower than fp32."""
-    flags = ("avx512_bf16", "amx_bf16")
+def cpu_flags():
+    """This CPU's feature flags as /proc/cpuinfo names them, plus "vendor:<vendor_id>" (empty where unreadable)."""
+    flags = set()
     if hasattr(torch.cpu, "get_capabilities"):  # recent torch: cpuinfo's view of the CPU
-        return any(torch.cpu.get_capabilities().get(flag, False) for flag in flags)
+        caps = torch.cpu.get_capabilities()
+        flags = {flag for flag, present in caps.items() if present is True}
+        flags |= {"vendor:AuthenticAMD"} if "AMD" in str(caps.get("cpu_name", "")) else set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return any(flag in line.split() for line in cpuinfo if line.startswith("flags") for flag in flags)
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    flags |= set(value.split())
+                elif key.strip() == "vendor_id":
+                    flags.add("vendor:" + value.strip())
     except OSError:
-        return False
+        pass
+    return flags
+
+
+def cpu_prefers_bf16(flags=None):
+    """Whether dtype "auto" picks bfloat16 on this CPU (flags: cpu_flags() if None), by what was measured
+    (the README's table): with AMX, bf16 (its tile matmuls); on an AMD CPU with AVX512-BF16, bf16 too (torch's
+    fp32 matmuls are 1.4-3x slower than oneDNN's packed bf16 ones there); on an Intel CPU with AVX512-BF16
+    but no AMX, fp32 (its bf16 matmuls and the conversions around them cost more than reading half the
+    bytes saves); without bf16 instructions torch emulates bf16, so fp32."""
+    flags = cpu_flags() if flags is None else flags
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and "vendor:AuthenticAMD" in flags)
 
 
 class PackedLinear(torch.nn.Linear):

@@ -80,7 +80,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
     enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA and on CPUs with native bf16, else float32), "float32", "float16", "bfloat16"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
     tensor_parallel_size: int = 1  # ranks that split each layer (Megatron); >1 spawns ranks 1..N-1, or runs under torchrun
@@ -98,7 +98,7 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_has_native_bf16() else "float32"
+            self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_prefers_bf16() else "float32"
         self.dtype = kernels.kernel_dtype(device, self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
 
     @property
@@ -2430,7 +2430,7 @@ def build_arg_parser():
     g.add_argument("--num-kv-blocks", type=int, default=e.num_kv_blocks, help="KV pool size in blocks; None: 1 GiB on CPU, from --gpu-memory-utilization on CUDA")
     g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization, help="on CUDA: fraction of GPU memory to use")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
     g.add_argument("--tensor-parallel-size", type=int, default=e.tensor_parallel_size, help="ranks that split each layer: spawned here, or the ranks torchrun starts")
     g = p.add_argument_group("server")  # defaults: server.ServerConfig's, written out (server.py loads only for --serve)

@@ -113,7 +113,8 @@ class Submission:
 
 
 def threadsafe(loop, fn):
-    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop has closed)."""
+    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop has closed).
+    EngineLoop hands one step's calls for the same loop over in one go (call.loop, call.fn): one wake-up of the loop per step."""
 
     def call(*args):
         try:
@@ -121,7 +122,13 @@ def threadsafe(loop, fn):
         except RuntimeError:  # the loop has closed: nobody waits for this any more
             pass
 
+    call.loop, call.fn = loop, fn
     return call
+
+
+def run_each(calls):  # in the event loop: one step's deliveries, in the engine's order
+    for fn, arg in calls:
+        fn(arg)
 
 
 class EngineLoop:
@@ -248,13 +255,20 @@ class EngineLoop:
         self._deliver(outputs)
 
     def _deliver(self, outputs):
+        by_loop = {}  # event loop -> [(fn, (prompt index, output))]: each loop is woken once for the whole step
         for out in outputs:
             if self.metrics is not None:
                 self.metrics.observe(out)  # first: a client that has its answer sees it counted
             target = self.outboxes.pop(out.request_id, None) if out.finished else self.outboxes.get(out.request_id)
-            if target is not None:
-                deliver, index = target
+            if target is None:
+                continue
+            deliver, index = target
+            if hasattr(deliver, "loop"):
+                by_loop.setdefault(deliver.loop, []).append((deliver.fn, (index, out)))
+            else:
                 deliver((index, out))
+        for loop, calls in by_loop.items():
+            threadsafe(loop, run_each)(calls)
 
     def _fail_all(self, error):
         for request_id, (deliver, _) in self.outboxes.items():

@@ -182,11 +182,18 @@ def hf_logprobs(model, token_ids):
 # ---- Config and dtype ----
 
 
-def test_dtype_auto_on_cpu_follows_native_bf16(monkeypatch):
-    for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native)
+def test_dtype_auto_on_cpu_follows_the_measured_rule(monkeypatch):
+    """The rule, not a timing: AMX picks bf16, and so does AVX512-BF16 on AMD; AVX512-BF16 alone on Intel
+    (where fp32 measured faster) and no bf16 instructions pick fp32; an explicit dtype is kept."""
+    intel, amd = "vendor:GenuineIntel", "vendor:AuthenticAMD"
+    assert kernels.cpu_prefers_bf16({intel, "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    assert kernels.cpu_prefers_bf16({amd, "avx512f", "avx512_bf16"})
+    assert not kernels.cpu_prefers_bf16({intel, "avx512f", "avx512_bf16"})
+    assert not kernels.cpu_prefers_bf16({amd, "avx2", "fma"}) and not kernels.cpu_prefers_bf16(set())
+    for flags, expected in (({amd, "avx512_bf16"}, "bfloat16"), ({intel, "avx512_bf16"}, "float32")):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
         assert EngineConfig(device="cpu").dtype == expected
-    assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"  # an explicit dtype is kept
+    assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"
 
 
 def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
