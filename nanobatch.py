@@ -435,8 +435,8 @@ class Scheduler:
                 break
             for seq, num_new, num_cached in admitted:
                 self.waiting.popleft()
-                if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits
-                    seq.request.num_cached_tokens = num_cached
+                if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits and ends the queue time
+                    seq.request.num_cached_tokens, seq.request.metrics.first_scheduled_time = num_cached, time.perf_counter()
                 seq.status = RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
@@ -1491,10 +1491,6 @@ class EngineStats:
 def record_stats(llm, batch):
     s = llm.stats
     s.num_steps += 1
-    now = time.perf_counter()
-    for seq in batch.seqs:
-        if seq.request.metrics.first_scheduled_time is None:  # its queue time ends (vLLM's request_queue_time_seconds)
-            seq.request.metrics.first_scheduled_time = now
     s.num_preemptions += batch.num_preempted
     in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
     if in_use > s.peak_blocks_in_use:
@@ -2159,10 +2155,10 @@ def serve_if_worker(llm):
 
 def broadcast_step(tp, block_copies, input_ids, positions, meta):
     """Rank 0: this step's inputs to every other rank (one pickled broadcast; on CUDA via host memory)."""
-    import torch.distributed as dist
-
     if tp is None:
         return
+    import torch.distributed as dist
+
     tp.check_alive()
     with _clear_errors(tp):
         dist.broadcast_object_list([_to_device((block_copies, input_ids, positions, meta), "cpu")], src=0)
