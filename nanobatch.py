@@ -49,7 +49,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 import weakref
@@ -597,24 +596,15 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}; nanobatch implements default, linear and llama3")
-        num_heads = hf.num_attention_heads
+        num_heads, attention_bias = hf.num_attention_heads, bool(getattr(hf, "attention_bias", False))
         return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=rope if rope_type != "default" else None,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            o_bias=hf.model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=hf.model_type == "qwen3",
+            vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, num_heads=num_heads, num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads, rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=hf.max_position_embeddings, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=hf.model_type == "qwen2" or attention_bias, o_bias=hf.model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), qk_norm=hf.model_type == "qwen3",
         )
 
 
@@ -899,18 +889,10 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device) if sampling else None
 
         return cls(
-            rows=column(sampling, torch.int64),
-            temperature=column([p.temperature for p in ps], torch.float32),
-            top_k=column(top_k, torch.int64),
-            top_p=column([p.top_p for p in ps], torch.float32),
-            min_p=column([p.min_p for p in ps], torch.float32),
-            plain=sorted(set(range(len(ps))) - in_nucleus - set(best)),
-            nucleus=nucleus,
-            best=best,
-            num_best=num_best,
-            generators=[seqs[i].generator for i in sampling],
-            max_logprobs=max(wanted) if wanted else None,
-            all_greedy=not sampling,
+            rows=column(sampling, torch.int64), temperature=column([p.temperature for p in ps], torch.float32),
+            top_k=column(top_k, torch.int64), top_p=column([p.top_p for p in ps], torch.float32), min_p=column([p.min_p for p in ps], torch.float32),
+            plain=sorted(set(range(len(ps))) - in_nucleus - set(best)), nucleus=nucleus, best=best, num_best=num_best,
+            generators=[seqs[i].generator for i in sampling], max_logprobs=max(wanted) if wanted else None, all_greedy=not sampling,
             needs_fp32=bool(sampling or wanted) or any(p.has_penalties or p.logit_bias for p in params),
         )
 
@@ -988,36 +970,6 @@ def _draw(probs, u):
 
 # ---- Engine ----
 
-class BlockTables:
-    """The block tables of the running sequences, kept in one persistent host tensor (pinned on
-    CUDA): each running sequence owns a row, a step writes only the block ids that changed, and
-    the batch's rows are gathered with one index op, not rebuilt from nested lists every step."""
-
-    def __init__(self, num_rows, max_blocks_per_seq, device):
-        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
-        self.free_rows = list(range(num_rows))
-        self.row_of = {}  # running sequence -> its row
-        self.synced = {}  # running sequence -> the block ids its row holds
-
-    def rows(self, seqs):
-        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
-        for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
-            self.free_rows.append(self.row_of.pop(seq))
-            del self.synced[seq]
-        rows = []
-        for seq in seqs:
-            if seq not in self.row_of:
-                self.row_of[seq], self.synced[seq] = self.free_rows.pop(), []
-            row, held, ids = self.row_of[seq], self.synced[seq], seq.block_ids
-            # mostly the table just grew; a copy-on-write or a re-pointed beam changed a held block: rewrite the row
-            first = len(held) if ids[: len(held)] == held else 0
-            if first < len(ids):
-                self.table[row, first : len(ids)] = torch.tensor(ids[first:], dtype=torch.int32)
-                self.synced[seq] = list(ids)
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.int64)
-
-
 class LLM:
     """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
     can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
@@ -1033,6 +985,7 @@ class LLM:
         self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.allocator)
+        # every running sequence's block table, kept on the host and updated in place (Part II: host-speed habits)
         self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size), self.device)
         self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -1042,7 +995,7 @@ class LLM:
         self.seq_counter = itertools.count()
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        freeze_gc_heap()  # hook (Stats, and a host-speed habit): no full-heap GC scans inside the step loop
+        freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
         serve_if_worker(self)  # hook (Tensor parallelism): ranks > 0 run the model on rank 0's steps, then exit
 
     def _set_max_model_len(self, hf_config, model_config):
@@ -1235,17 +1188,12 @@ class LLM:
         block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
         slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
 
-        def on_device(t):
+        def to(t):  # one copy to the device each, not waited for
             return t.to(self.device, non_blocking=True)
 
-        meta = BatchMetadata(
-            query_start_loc=on_device(starts),
-            seq_lens=on_device(seq_lens),
-            slot_mapping=on_device(slots),
-            block_tables=on_device(block_tables),
-            logits_indices=on_device(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
-        )
-        return on_device(torch.tensor(input_ids)), on_device(positions), meta, sampled, prompt_spans
+        meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
+                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)))
+        return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.perf_counter()
@@ -1373,7 +1321,7 @@ def check_fields(obj, prefix, rules):
     """rules: (field, ok(value), what it must be); the first field that breaks its rule raises."""
     for name, ok, rule in rules:
         if not ok(getattr(obj, name)):
-            raise ValueError(f"{prefix}{name} {rule}, got {getattr(obj, name)!r}")
+            raise ValueError(f"{prefix}{name} {rule}, got {_cut(repr(getattr(obj, name)))}")
 
 
 def _int(v):  # True is an int to Python, not to a user
@@ -1476,7 +1424,7 @@ def tokenize_prompt(llm, prompt):
     raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-# ---- Stats, and a host-speed habit ----
+# ---- Stats, and host-speed habits ----
 
 
 @dataclass
@@ -1496,6 +1444,36 @@ def record_stats(llm, batch):
     if in_use > s.peak_blocks_in_use:
         s.peak_blocks_in_use = in_use
         s.kv_utilization_at_peak = llm.allocator.num_filled_slots / (in_use * llm.config.block_size)
+
+
+class BlockTables:
+    """The block tables of the running sequences, kept in one persistent host tensor (pinned on
+    CUDA): each running sequence owns a row, a step writes only the block ids that changed, and
+    the batch's rows are gathered with one index op, not rebuilt from nested lists every step."""
+
+    def __init__(self, num_rows, max_blocks_per_seq, device):
+        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
+        self.free_rows = list(range(num_rows))
+        self.row_of = {}  # running sequence -> its row
+        self.synced = {}  # running sequence -> the block ids its row holds
+
+    def rows(self, seqs):
+        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
+        for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
+            self.free_rows.append(self.row_of.pop(seq))
+            del self.synced[seq]
+        rows = []
+        for seq in seqs:
+            if seq not in self.row_of:
+                self.row_of[seq], self.synced[seq] = self.free_rows.pop(), []
+            row, held, ids = self.row_of[seq], self.synced[seq], seq.block_ids
+            # mostly the table just grew; a copy-on-write or a re-pointed beam changed a held block: rewrite the row
+            first = len(held) if ids[: len(held)] == held else 0
+            if first < len(ids):
+                self.table[row, first : len(ids)] = torch.tensor(ids[first:], dtype=torch.int32)
+                self.synced[seq] = list(ids)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
 
 
 def freeze_gc_heap():
@@ -1703,18 +1681,15 @@ class StructuredOutputsParams:
     json_object: bool = False  # the output is some JSON object (OpenAI's response_format json_object)
 
     def __post_init__(self):
-        def bad(name, rule):
-            raise ValueError(f"StructuredOutputsParams.{name} {rule}, got {_cut(repr(getattr(self, name)))}")
-
-        if self.json is not None and not (isinstance(self.json, (str, dict)) and _is_json(self.json)):
-            bad("json", "must be a JSON schema: a dict or its JSON text")
-        for name in ("regex", "grammar"):
-            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
-                bad(name, "must be a non-empty string")
-        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) and c for c in self.choice)):
-            bad("choice", "must be a non-empty list of non-empty strings")
-        if not isinstance(self.json_object, bool):
-            bad("json_object", "must be a bool")
+        text = lambda v: v is None or (isinstance(v, str) and bool(v))  # noqa: E731
+        check_fields(self, "StructuredOutputsParams.", [
+            ("json", lambda v: v is None or (isinstance(v, (str, dict)) and _is_json(v)), "must be a JSON schema: a dict or its JSON text"),
+            ("regex", text, "must be a non-empty string"),
+            ("grammar", text, "must be a non-empty string"),
+            ("choice", lambda v: v is None or (isinstance(v, (list, tuple)) and bool(v) and all(isinstance(c, str) and c for c in v)),
+             "must be a non-empty list of non-empty strings"),
+            ("json_object", lambda v: isinstance(v, bool), "must be a bool"),
+        ])
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + ["json_object"] * self.json_object
         if len(given) != 1:
             raise ValueError(f"StructuredOutputsParams takes exactly one of json, regex, choice, grammar, json_object; got {', '.join(given) or 'none'}")
@@ -2171,21 +2146,17 @@ def _to_device(step, device):
     return copies, input_ids.to(device), positions.to(device), meta
 
 
-class _clear_errors:
+@contextlib.contextmanager
+def _clear_errors(tp):
     """A collective that fails on rank 0 because a rank died says which rank, not gloo's socket error."""
-
-    def __init__(self, tp):
-        self.tp = tp
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if isinstance(error, RuntimeError) and not isinstance(error, TPError) and self.tp.rank == 0:
-            time.sleep(0.5)  # a closed connection may be seen before the process is reaped
-            self.tp.check_alive()
-            raise TPError(f"a tensor-parallel collective failed: {error}") from error
-        return False
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, TPError) or tp.rank != 0:
+            raise
+        time.sleep(0.5)  # a closed connection may be seen before the process is reaped
+        tp.check_alive()
+        raise TPError(f"a tensor-parallel collective failed: {error}") from error
 
 
 def agree_num_blocks(tp, num_blocks):
@@ -2267,17 +2238,6 @@ def all_reduce(tp, x):
     return x
 
 
-class RowParallel(nn.Module):
-    """o_proj / down_proj: each rank's partial product (its bias is zero but on rank 0), summed over ranks."""
-
-    def __init__(self, linear, tp):
-        super().__init__()
-        self.linear, self.tp = linear, tp
-
-    def forward(self, x):
-        return all_reduce(self.tp, self.linear(x))  # (T, hidden): the sum of every rank's share
-
-
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows [start, start + local vocab): it looks up its own ids, zeros for the rest, then all-reduce."""
 
@@ -2310,13 +2270,14 @@ class GatheredLMHead(nn.Module):
 
 
 def parallelize(model, cfg: ModelConfig, tp):
-    """Wrap the loaded shard's modules where the ranks must meet: two all-reduces per layer, one for
-    the embedding, the logits gather. The wrapped nn.Linear stay plain (CPU weight packing still applies)."""
+    """Where the ranks must meet: two all-reduces per layer, one for the embedding, the logits gather.
+    o_proj and down_proj stay plain nn.Linear (CPU weight packing still applies): a forward hook sums
+    each rank's partial product (its bias is zero but on rank 0) over the ranks, in place."""
     if tp is None:
         return
     for layer in model.model.layers:
-        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, tp)
+        for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            row_parallel.register_forward_hook(lambda module, args, out: all_reduce(tp, out))  # (T, hidden)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, tp.rank * model.cfg.vocab_size, tp)
     model.lm_head = GatheredLMHead(model.lm_head, cfg.vocab_size, tp)
 
@@ -2369,18 +2330,6 @@ def read_prompts(path):
     if not prompts:
         raise ValueError(f"prompts file {path!r} has no prompts (one per line, blank lines skipped)")
     return prompts
-
-
-def check_port_free(host, port):
-    """Bind-test the port before the model load (tens of seconds), so that a busy port fails at once.
-    SO_REUSEADDR, as the server's own socket: only a port someone listens on counts as busy."""
-    if port == 0:
-        return  # any free port: the server picks one
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    try:
-        socket.create_server((host, port), family=family).close()
-    except OSError as e:
-        raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
 
 
 def read_structured_outputs(json_schema_path, regex):
@@ -2444,7 +2393,12 @@ def run_cli(args):
         raise ValueError("--prompts is required (a file with one prompt per line, or - for stdin), or --serve")
     prompts = read_prompts(args.prompts) if not args.serve else None
     if args.serve:
-        check_port_free(args.host, args.port)
+        # run as a script this module is __main__: server.py's `import nanobatch` must find it, not load
+        # a second copy whose SamplingParams the engine's isinstance checks would refuse
+        sys.modules.setdefault("nanobatch", sys.modules[__name__])
+        import server  # the web stack loads only here
+
+        server.check_port_free(args.host, args.port)  # before the model load (seconds): a busy port fails at once
     if args.beam_width is not None:
         check_beam_flags(args)
     params = SamplingParams(
@@ -2460,11 +2414,6 @@ def run_cli(args):
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.serve:
-        # run as a script this module is __main__: server.py's `import nanobatch` must find it, not load
-        # a second copy whose SamplingParams the engine's isinstance checks would refuse
-        sys.modules.setdefault("nanobatch", sys.modules[__name__])
-        import server  # the web stack loads only here
-
         return server.serve(llm, server.ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive))
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts] if args.chat else prompts
     start = time.perf_counter()

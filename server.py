@@ -1204,6 +1204,18 @@ class Server:
         self.socket.close()
 
 
+def check_port_free(host, port):
+    """Bind-test the port (the CLI does it before the model load, so that a busy port fails at once).
+    SO_REUSEADDR, as the server's own socket: only a port someone listens on counts as busy."""
+    if port == 0:
+        return  # any free port: the server picks one
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as e:
+        raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
+
+
 def served_model_name(llm):
     # as vLLM: the model argument as given (clients such as `vllm bench serve --model X` send X back)
     return llm.config.model or default_model_path()
