@@ -22,8 +22,8 @@ Part I, the engine, in the order of a step (read it top to bottom):
     Config | Sampling parameters and outputs | Requests and sequences | Block allocator |
     Scheduler | Model | Loading | Sampler | Engine (LLM.step is the algorithm in 30 lines)
 Part II, after the banner that closes Part I: the plug-ins, each reached from one named
-hook in Part I: Logits processors | Logprobs | Structured outputs | Beam search |
-Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
+hook in Part I: Validation | Stats and host-speed habits | Detokenization | Logits processors |
+Logprobs | Structured outputs | Beam search | Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
 references that state the rule); server.py, a separate program, serves HTTP.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
@@ -713,14 +713,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Backbone(nn.Module):  # HF's "model." prefix
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Model(nn.Module):
     """Llama-style decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat, unpadded token batch.
     Parameter names match HF checkpoints, so a HF state dict loads as is."""
@@ -728,7 +720,11 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.model = nn.ModuleDict(dict(  # HF's "model." prefix, as nanoGPT's transformer dict
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
 
@@ -1309,9 +1305,11 @@ def _as_list(x):
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
 # =====================================================================================
 #
-# Everything below joins the step loop at a named place: process_logits (Logits processors),
+# Everything below joins the step loop at a named place: check_* / tokenize_prompt (Validation),
+# record_stats / BlockTables (Stats and host-speed habits), process_logits (Logits processors),
 # prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
-# step_beams (Beam search), _GenerateProgress (generate's progress bar). A learner may stop here.
+# step_beams (Beam search), broadcast_step (Tensor parallelism), _GenerateProgress (generate's
+# progress bar). A learner may stop here.
 
 
 # ---- Validation: bad settings get an error that names them ----
