@@ -553,6 +553,35 @@ def test_default_model_matches_hf_transformers(default_llm, default_hf):
     assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
 
 
+TRICKY_TEXTS = ["Hello, my name is", "  two leading spaces\tand a tab\n\nnewlines ", "Ünïcödé, 日本語, emoji 🤖👍🏽 and ¿qué?",
+                "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>", "x = f(a_b) + 1_000.5e-3 // 'quotes' \"double\"", ""]
+
+
+def test_gguf_load_equals_transformers(default_llm, default_hf):
+    """nanobatch's own GGUF reader gives the config, the tokenizer and all 273 tensors of transformers' GGUF load."""
+    model, tokenizer = default_hf
+    assert nanobatch.ModelConfig.from_hf(model.config) == default_llm.model_config
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(default_llm.hf_config, key) == getattr(model.config, key), key
+    ours, theirs = default_llm.model.state_dict(), model.state_dict()
+    assert len(theirs) == 273 and set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    mine = default_llm.tokenizer
+    assert mine.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str() and mine.special_tokens_map == tokenizer.special_tokens_map
+    for text in TRICKY_TEXTS:
+        assert mine(text).input_ids == tokenizer(text).input_ids and mine.decode(mine(text).input_ids) == text, text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TRICKY_TEXTS[2]}]
+    assert mine.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_gguf_reader_rejects_other_files(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
+        LLM(model=str(fake))
+
+
 def test_text_prompts_and_detokenization(default_llm, default_hf):
     model, tokenizer = default_hf
     prompts = ["Hello, my name is", "The capital of France is", "The future of AI is"]
