@@ -317,16 +317,21 @@ class ServerMetrics:
         token_buckets = [b * 10**e for e in range(len(str(llm.max_model_len))) for b in (1, 2, 5) if b * 10**e <= llm.max_model_len]  # vLLM's 1-2-5 series
         self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason (all wait for capacity here).", [*labels, "reason"], registry=self.registry)
+        self.waiting_capacity = by_reason.labels(**labels, reason="capacity")
+        by_reason.labels(**labels, reason="deferred").set(0)  # vLLM's LoRA budget, KV transfer: never here
         self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
         self.preemptions = metric(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).")
         self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_cached = metric(Counter, "vllm:prompt_tokens_cached", "Prompt tokens served from a cache (here: the prefix cache alone).")
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.request_prompt_tokens = metric(Histogram, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", buckets=token_buckets)
         self.request_generation_tokens = metric(Histogram, "vllm:request_generation_tokens", "Generated tokens per finished request (all samples).", buckets=token_buckets)
         self.request_max_generation = metric(Histogram, "vllm:request_max_num_generation_tokens", "Tokens of the longest sample per finished request.", buckets=token_buckets)
         self.request_n = metric(Histogram, "vllm:request_params_n", "Samples (or beams) per finished request.", buckets=(1, 2, 5, 10, 20))
+        self.request_computed = metric(Histogram, "vllm:request_prefill_kv_computed_tokens", "Prompt tokens computed (not cached) per finished request.", buckets=token_buckets)
         self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
         self.itl = metric(Histogram, "vllm:inter_token_latency_seconds", "Time between two tokens of a sample.", buckets=self.ITL_BUCKETS)
         self.tpot = metric(Histogram, "vllm:request_time_per_output_token_seconds", "Per request: time per output token after the first.", buckets=self.ITL_BUCKETS)
@@ -336,12 +341,12 @@ class ServerMetrics:
         self.prefill = metric(Histogram, "vllm:request_prefill_time_seconds", "First scheduled to first token.", buckets=self.REQUEST_BUCKETS)
         self.decode = metric(Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS)
         success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort")}
-        c = llm.config  # vLLM's cache_config_info: the KV cache's settings as labels of a constant 1
+        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error", "repetition")}  # vLLM's FinishReason
+        c = llm.config  # vLLM's cache_config_info: the KV cache's settings (CacheConfig's field names) and the engine as labels of a constant 1, no model_name
         info = {"block_size": c.block_size, "num_gpu_blocks": llm.allocator.num_blocks, "enable_prefix_caching": c.enable_prefix_caching,
                 "cache_dtype": "auto", "gpu_memory_utilization": c.gpu_memory_utilization}
-        info = {k: str(v) for k, v in info.items()}
-        Gauge("vllm:cache_config_info", "Information of the KV cache config.", [*labels, *info], registry=self.registry).labels(**labels, **info).set(1)
+        info = {"engine": labels["engine"], **{k: str(v) for k, v in info.items()}}
+        Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry).labels(**info).set(1)
         self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
         self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
@@ -351,6 +356,7 @@ class ServerMetrics:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.prefix_queries.inc(len(out.prompt_token_ids))
             self.prefix_hits.inc(out.num_cached_tokens)
+            self.prompt_cached.inc(out.num_cached_tokens)
             self.num_counted[out.request_id] = 0
         if out.request_id in self.num_counted:
             self.generation_tokens.inc(num_tokens - self.num_counted[out.request_id])
@@ -367,6 +373,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
         self.request_max_generation.observe(longest)
         self.request_n.observe(len(out.outputs))
+        self.request_computed.observe(len(out.prompt_token_ids) - (out.num_cached_tokens or 0))
         m = out.metrics
         if m is None or m.finished_time is None:
             return
@@ -389,6 +396,7 @@ class ServerMetrics:
         """The gauges, read in the engine thread."""
         self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
         self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
+        self.waiting_capacity.set(len({s.request.request_id for s in llm.scheduler.waiting}))
         self.kv_usage.set(1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks)
         self.preemptions.inc(llm.stats.num_preemptions - self.preemptions_read)
         self.preemptions_read = llm.stats.num_preemptions
@@ -955,7 +963,7 @@ async def bug(request, e):  # uvicorn logs the traceback; the client gets no int
 def check_model(server, body):
     if body.model is not None and body.model != server.model_name:
         # vLLM's words, and the name that would do
-        raise ServerError(f"The model `{body.model}` does not exist. Valid model names: {server.model_name}", 404, "model")
+        raise ServerError(f"The model `{body.model}` does not exist. Valid aliases: {server.model_name}.", 404, "model")
     return body
 
 

@@ -2490,7 +2490,7 @@ def test_wrong_model_gets_404(server_model_dir):
             client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         status, answer = post(at_url(url), "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
-        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid model names: my-model",
+        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid aliases: my-model.",
                                                      "type": "NotFoundError", "param": "model", "code": 404}  # vLLM's fields
     finally:
         srv.stop()
@@ -2849,7 +2849,7 @@ def metric_values(server):
     values = {}
     for family in text_string_to_metric_families(resp.read().decode()):
         for sample in family.samples:
-            assert sample.labels["model_name"] == server.model_name and sample.labels["engine"] == "0"
+            assert sample.labels.get("model_name", server.model_name) == server.model_name and sample.labels["engine"] == "0"
             values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
     conn.close()
     return values
@@ -2870,6 +2870,8 @@ def test_metrics_count_the_requests_sent(server):
 
     assert delta("vllm:prompt_tokens_total") == num_prompt
     assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
+    assert delta("vllm:prompt_tokens_cached_total") == delta("vllm:prefix_cache_hits_total")
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == num_prompt - delta("vllm:prefix_cache_hits_total")
     assert delta("vllm:generation_tokens_total") == 3 * 3
     assert delta("vllm:request_success_total", "length") == 3
     for histogram in ["vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
@@ -2884,14 +2886,14 @@ def test_metrics_count_the_requests_sent(server):
 # vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
 # made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
 VLLM_METRICS = {
-    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
     "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"],
+                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached"],
     "histogram": ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
                   "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
-                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"],
-}
+                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens"],
+}  # names, kinds and labels as vLLM 0.32's v1/metrics/loggers.py declares them
 
 
 def test_metrics_scrape_has_vllms_families(server):
@@ -2904,6 +2906,13 @@ def test_metrics_scrape_has_vllms_families(server):
     assert {name: f.type for name, f in families.items()} == {name: kind for kind, names in VLLM_METRICS.items() for name in names}
     [info] = families["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"
+    assert "model_name" not in info.labels and info.labels["engine"] == "0"  # vLLM labels it with CacheConfig's fields and the engine only
+    for name, family in families.items():
+        if name != "vllm:cache_config_info":
+            assert all({"model_name", "engine"} <= set(sample.labels) for sample in family.samples), name
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every FinishReason, from the start
+    assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {"capacity", "deferred"}
 
 
 # -- The HTTP stack (uvicorn): connections, framing, logs --
