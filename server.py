@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -89,11 +90,19 @@ class ServerError(Exception):
     this status. type is vLLM's: the status's name, "BadRequestError", "NotFoundError", ...; param
     names the request field at fault, when one is."""
 
-    def __init__(self, message, status=400, param=None):
+    def __init__(self, message, status=400, param=None, type=None):
         super().__init__(message)
         self.status, self.param = status, param
         name = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
-        self.type = name if name.endswith("Error") else name + "Error"
+        self.type = type or (name if name.endswith("Error") else name + "Error")
+
+    @classmethod
+    def invalid(cls, e, prefix=""):
+        """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
+        `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
+        message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
+        field = re.match(r"([a-z_]+)(=| must | cannot )", message)
+        return cls(prefix + message, param=field and field.group(1))
 
     def body(self):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
@@ -234,7 +243,7 @@ class EngineLoop:
                 added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
-            return self._refuse(sub, added, ServerError(where + str(e)))
+            return self._refuse(sub, added, ServerError.invalid(e, where))
         except Exception:  # a bug, not the client's fault: fail this request, keep serving
             log.exception("could not add request %s", sub.request_ids[0])
             return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500))
@@ -503,7 +512,7 @@ class Sampling(Body):
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
             return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
         except ValueError as e:
-            raise ServerError(str(e)) from None
+            raise ServerError.invalid(e) from None
 
 
 class Generate(Sampling):
@@ -536,7 +545,7 @@ class OpenAI(Sampling):
 
 
 class Completion(OpenAI):
-    prompt: Prompt
+    prompt: Prompt | None = None  # optional to pydantic, as in vLLM: its absence is a BadRequestError naming it
     echo: bool | None = None
     logprobs: Int | None = None
     suffix: Any = None
@@ -614,7 +623,7 @@ def beam_search_params(body, params):
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
     except ValueError as e:
-        raise ServerError(str(e)) from None
+        raise ServerError.invalid(e) from None
 
 
 BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
@@ -653,8 +662,8 @@ async def read_json(request, model):
     try:
         return model.model_validate_json(body)
     except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
-        loc = e.errors(include_url=False)[0]["loc"]
-        raise ServerError(validation_message(e), param=".".join(map(str, loc)) or None) from None
+        loc = e.errors(include_url=False)[0]["loc"]  # vLLM 0.32 (FastAPI's validation): type "Bad Request", param body.<field>
+        raise ServerError(validation_message(e), param=".".join(map(str, ("body", *loc))), type=HTTPStatus.BAD_REQUEST.phrase) from None
 
 
 async def read_body(request):
@@ -853,8 +862,10 @@ class OpenAIFormat:
                 continue
             delta, entries, finish_reason = new
             content = {"delta": {"content": delta}} if self.chat else {"text": delta}  # the last chat delta too: {"content": ""}, as vLLM
-            stop_reason = c.stop_reason if finish_reason else None  # sent on every chunk, set on the last (vLLM's field)
-            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": stop_reason}], True))
+            choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}
+            if finish_reason or not self.chat:  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
+                choice["stop_reason"] = c.stop_reason if finish_reason else None
+            events.append(self.envelope([choice], True))
         if out.finished:
             self.finished[index] = out
         if len(self.finished) == self.num_prompts:  # the last prompt just finished
@@ -972,7 +983,7 @@ async def ask(engine, fn):
     try:
         return await engine.run(fn)
     except ValueError as e:
-        raise ServerError(str(e)) from None
+        raise ServerError.invalid(e) from None
 
 
 async def respond(request: Request, sub, fmt, stream):
@@ -1026,6 +1037,8 @@ async def generate(request: Request):
 async def completions(request: Request):
     server = request.app.state.server
     body = reject_unsupported(check_model(server, await read_json(request, Completion)))
+    if body.prompt is None:
+        raise ServerError("'prompt' is required", param="prompt")
     one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
     prompts = [body.prompt] if one else body.prompt
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped

@@ -2510,7 +2510,7 @@ def test_what_vllm_accepts_is_accepted(server):
     [choice] = body["choices"]
     assert status == 200 and len(choice["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and choice["prompt_logprobs"][0] is None
     status, answer = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "ten"})
-    assert status == 400 and answer["error"]["param"] == "max_tokens" and answer["error"]["type"] == "BadRequestError"
+    assert status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"  # vLLM's (FastAPI's) validation error
 
 
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
@@ -2611,6 +2611,33 @@ def test_completions_stream_sse(server):
     assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
     assert [e["choices"][0]["stop_reason"] for e in events] == [None] * len(events)  # vLLM's field on every chunk (None: not a stop string)
+
+
+# Recorded from vLLM 0.32 serving the HF copy of the default model (request -> the error's type and param)
+VLLM_ERRORS = [
+    ("/v1/completions", {"max_tokens": 3}, "BadRequestError", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "BadRequestError", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "BadRequestError", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "Bad Request", "body.temperature"),
+    ("/v1/chat/completions", {"model": "x"}, "Bad Request", "body.messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,kind,param", VLLM_ERRORS, ids=[f"{i}-{p}" for i, (p, *_) in enumerate(VLLM_ERRORS)])
+def test_errors_have_vllms_type_and_param(server, path, body, kind, param):
+    status, answer = post(server, path, body)
+    assert status == 400 and (answer["error"]["type"], answer["error"]["param"]) == (kind, param), answer
+    assert "SamplingParams" not in answer["error"]["message"]  # the request's words, not the engine's class
+
+
+def test_chat_stream_chunks_have_vllms_shape(server):
+    """Recorded from vLLM 0.32: a chat stream opens with the role, then content deltas without stop_reason;
+    the last chunk of a choice carries finish_reason and stop_reason."""
+    _, lines = stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True, **GREEDY_JSON})
+    events = sse_events(lines)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "stop_reason" not in events[0]["choices"][0]
+    assert all("stop_reason" not in e["choices"][0] for e in events[1:-1]) and len(events) == 4
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"][0]["stop_reason"] is None
 
 
 def test_stream_holds_back_a_partial_stop_string(server):
@@ -2755,13 +2782,13 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
+    ("/generate", {"prompt": "hi", "n": 0}, "n must be"),
     ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
     ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
-    ("/v1/completions", {"model": "x"}, "'prompt' is required"),
+    ("/v1/completions", {"max_tokens": 3}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
     ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
@@ -2781,7 +2808,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
 @pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
     status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert status == 400 and answer["error"]["type"] == "BadRequestError"  # vLLM's type names
+    body_error = (answer["error"]["param"] or "").startswith("body")  # pydantic refused the body: vLLM's (FastAPI's) type
+    assert status == 400 and answer["error"]["type"] == ("Bad Request" if body_error else "BadRequestError")  # vLLM's type names
     assert words in answer["error"]["message"], answer
     assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
 
