@@ -36,10 +36,8 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
-import contextlib
 import dataclasses
 import datetime
-import functools
 import gc
 import glob
 import hashlib
@@ -759,36 +757,33 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
     config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once.
     With tp (Tensor parallelism) the model holds this rank's shard only; cfg stays the whole model's."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist (give a local HF folder or a .gguf file; nothing is downloaded)")
-    gguf = {}
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
-        gguf = {"gguf_file": os.path.basename(path)}
-        path = os.path.dirname(os.path.abspath(path))
-    elif not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    with parse_gguf_once():  # the config, the tokenizer and the weights of a .gguf from one parse of it
-        hf_config = AutoConfig.from_pretrained(path, **gguf)
-        cfg = ModelConfig.from_hf(hf_config)
-        if on_config is not None:
-            on_config(hf_config, cfg)
-        if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
-            raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
-        tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
-        state = _load_gguf_weights(path, gguf) if gguf else _load_hf_weights(path, tp)
+    gguf = read_gguf(path) if os.path.isfile(path) else None
+    hf_config = gguf_config(*gguf) if gguf else AutoConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    if on_config is not None:
+        on_config(hf_config, cfg)
+    if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
+        raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
+    tokenizer = (PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)) if gguf
+                 else AutoTokenizer.from_pretrained(path))  # a GGUF's: transformers' own build from its vocabulary (a quick second read)
+    state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)
     with torch.device("meta"):
-        model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint fills it, cast to dtype as it is copied in
+        model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint's tensors fill it
     model = model.to_empty(device=device)
     model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    state = {k: shard_tensor(k, v, cfg, tp) for k, v in state.items() if "rotary_emb" not in k}  # hook (Tensor parallelism)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    state = {k: shard_tensor(k, v, cfg, tp).to(device, dtype) for k, v in state.items() if "rotary_emb" not in k}  # hook (Tensor parallelism)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)  # the tensors themselves, not a copy (a TP shard is a view)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.eval()
@@ -799,23 +794,66 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     return model, tokenizer, cfg, hf_config
 
 
-@contextlib.contextmanager
-def parse_gguf_once():
-    """transformers parses a .gguf file with gguf.GGUFReader (seconds: every token of the vocabulary is
-    a Python object) once for the config, twice for the tokenizer and once more for the weights, and
-    builds gguf's tensor-name table once per submodule of the model (hundreds of times). Inside this
-    block the first of each serves the rest: gguf's two functions are swapped for memoized ones (its
-    callers import them from gguf at each call, so they find these)."""
+def read_gguf(path):
+    """A .gguf file's metadata, and its tensors as (shape, ggml type, bytes in a memory map), read once
+    with struct (gguf.GGUFReader takes seconds: it makes a numpy view of each string of the vocabulary)."""
+    import struct
     import gguf
+    import numpy as np
 
-    originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
-    for name, fn in originals.items():
-        setattr(gguf, name, functools.lru_cache(maxsize=None)(fn))  # the arguments are paths, names and ints: hashable
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(gguf, name, fn)
+    with open(path, "rb") as f:
+        take = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))  # noqa: E731 (the next values, by struct's codes)
+
+        def value(kind):  # GGUF's value types 0..12: 8 a string, 9 an array, the others a number by struct code
+            if kind == 9:
+                kind, count = take("IQ")
+                return [value(kind) for _ in range(count)]
+            return take(f"{take('Q')[0]}s")[0].decode() if kind == 8 else take("BbHhIif?__Qqd"[kind])[0]
+
+        magic, version, num_tensors, num_keys = take("4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path!r} is not a GGUF file of version 2 or 3 (it starts {magic!r}, version {version})")
+        meta = {value(8): value(take("I")[0]) for _ in range(num_keys)}
+        table = [(value(8), tuple(reversed(take(f"{take('I')[0]}Q"))), *take("IQ")) for _ in range(num_tensors)]
+        start = -(-f.tell() // meta.get("general.alignment", 32)) * meta.get("general.alignment", 32)  # where the aligned tensor data begins
+    data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
+    return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
+                  for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes
+
+
+def gguf_config(meta, tensors):
+    """A GGUF's HF config, from its metadata by transformers' own table of llama.cpp's key names."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = meta["general.architecture"]
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
+    params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
+    params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
+    params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
+    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors)
+
+
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's tensor names -> HF's
+
+
+def gguf_weights(meta, tensors, cfg):
+    """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
+    converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
+    import gguf as gguf_lib
+
+    state = {}
+    for name, (shape, kind, raw) in tensors.items():
+        layer, part, suffix = re.fullmatch(r"(blk\.\d+\.)?(\w+)\.(\w+)", name).groups()
+        if part in GGUF_NAMES:
+            w = torch.from_numpy(gguf_lib.quants.dequantize(raw, kind)).reshape(shape)
+            if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
+                w = w.reshape(cfg.num_heads if part == "attn_q" else cfg.num_kv_heads, -1, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+            state[(layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix] = w
+    return state
 
 
 def _load_hf_weights(path, tp=None):
@@ -828,20 +866,6 @@ def _load_hf_weights(path, tp=None):
     if not files:
         raise FileNotFoundError(f"model folder {path!r} has no *.safetensors or pytorch_model*.bin weights")
     return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
-
-
-def _load_gguf_weights(path, gguf):
-    # transformers dequantizes GGUF tensors and undoes llama.cpp's q/k permutation for us
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **gguf)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return dict(hf_model.state_dict())
 
 
 # ---- Sampler ----

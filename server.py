@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -89,11 +90,19 @@ class ServerError(Exception):
     this status. type is vLLM's: the status's name, "BadRequestError", "NotFoundError", ...; param
     names the request field at fault, when one is."""
 
-    def __init__(self, message, status=400, param=None):
+    def __init__(self, message, status=400, param=None, type=None):
         super().__init__(message)
         self.status, self.param = status, param
         name = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
-        self.type = name if name.endswith("Error") else name + "Error"
+        self.type = type or (name if name.endswith("Error") else name + "Error")
+
+    @classmethod
+    def invalid(cls, e, prefix=""):
+        """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
+        `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
+        message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
+        field = re.match(r"([a-z_]+)(=| must | cannot )", message)
+        return cls(prefix + message, param=field and field.group(1))
 
     def body(self):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
@@ -234,7 +243,7 @@ class EngineLoop:
                 added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
-            return self._refuse(sub, added, ServerError(where + str(e)))
+            return self._refuse(sub, added, ServerError.invalid(e, where))
         except Exception:  # a bug, not the client's fault: fail this request, keep serving
             log.exception("could not add request %s", sub.request_ids[0])
             return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500))
@@ -317,16 +326,21 @@ class ServerMetrics:
         token_buckets = [b * 10**e for e in range(len(str(llm.max_model_len))) for b in (1, 2, 5) if b * 10**e <= llm.max_model_len]  # vLLM's 1-2-5 series
         self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason (all wait for capacity here).", [*labels, "reason"], registry=self.registry)
+        self.waiting_capacity = by_reason.labels(**labels, reason="capacity")
+        by_reason.labels(**labels, reason="deferred").set(0)  # vLLM's LoRA budget, KV transfer: never here
         self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
         self.preemptions = metric(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).")
         self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_cached = metric(Counter, "vllm:prompt_tokens_cached", "Prompt tokens served from a cache (here: the prefix cache alone).")
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.request_prompt_tokens = metric(Histogram, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", buckets=token_buckets)
         self.request_generation_tokens = metric(Histogram, "vllm:request_generation_tokens", "Generated tokens per finished request (all samples).", buckets=token_buckets)
         self.request_max_generation = metric(Histogram, "vllm:request_max_num_generation_tokens", "Tokens of the longest sample per finished request.", buckets=token_buckets)
         self.request_n = metric(Histogram, "vllm:request_params_n", "Samples (or beams) per finished request.", buckets=(1, 2, 5, 10, 20))
+        self.request_computed = metric(Histogram, "vllm:request_prefill_kv_computed_tokens", "Prompt tokens computed (not cached) per finished request.", buckets=token_buckets)
         self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
         self.itl = metric(Histogram, "vllm:inter_token_latency_seconds", "Time between two tokens of a sample.", buckets=self.ITL_BUCKETS)
         self.tpot = metric(Histogram, "vllm:request_time_per_output_token_seconds", "Per request: time per output token after the first.", buckets=self.ITL_BUCKETS)
@@ -336,12 +350,12 @@ class ServerMetrics:
         self.prefill = metric(Histogram, "vllm:request_prefill_time_seconds", "First scheduled to first token.", buckets=self.REQUEST_BUCKETS)
         self.decode = metric(Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS)
         success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort")}
-        c = llm.config  # vLLM's cache_config_info: the KV cache's settings as labels of a constant 1
+        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error", "repetition")}  # vLLM's FinishReason
+        c = llm.config  # vLLM's cache_config_info: the KV cache's settings (CacheConfig's field names) and the engine as labels of a constant 1, no model_name
         info = {"block_size": c.block_size, "num_gpu_blocks": llm.allocator.num_blocks, "enable_prefix_caching": c.enable_prefix_caching,
                 "cache_dtype": "auto", "gpu_memory_utilization": c.gpu_memory_utilization}
-        info = {k: str(v) for k, v in info.items()}
-        Gauge("vllm:cache_config_info", "Information of the KV cache config.", [*labels, *info], registry=self.registry).labels(**labels, **info).set(1)
+        info = {"engine": labels["engine"], **{k: str(v) for k, v in info.items()}}
+        Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry).labels(**info).set(1)
         self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
         self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
@@ -351,6 +365,7 @@ class ServerMetrics:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.prefix_queries.inc(len(out.prompt_token_ids))
             self.prefix_hits.inc(out.num_cached_tokens)
+            self.prompt_cached.inc(out.num_cached_tokens)
             self.num_counted[out.request_id] = 0
         if out.request_id in self.num_counted:
             self.generation_tokens.inc(num_tokens - self.num_counted[out.request_id])
@@ -367,6 +382,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
         self.request_max_generation.observe(longest)
         self.request_n.observe(len(out.outputs))
+        self.request_computed.observe(len(out.prompt_token_ids) - (out.num_cached_tokens or 0))
         m = out.metrics
         if m is None or m.finished_time is None:
             return
@@ -389,6 +405,7 @@ class ServerMetrics:
         """The gauges, read in the engine thread."""
         self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
         self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
+        self.waiting_capacity.set(len({s.request.request_id for s in llm.scheduler.waiting}))
         self.kv_usage.set(1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks)
         self.preemptions.inc(llm.stats.num_preemptions - self.preemptions_read)
         self.preemptions_read = llm.stats.num_preemptions
@@ -495,7 +512,7 @@ class Sampling(Body):
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
             return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
         except ValueError as e:
-            raise ServerError(str(e)) from None
+            raise ServerError.invalid(e) from None
 
 
 class Generate(Sampling):
@@ -528,7 +545,7 @@ class OpenAI(Sampling):
 
 
 class Completion(OpenAI):
-    prompt: Prompt
+    prompt: Prompt | None = None  # optional to pydantic, as in vLLM: its absence is a BadRequestError naming it
     echo: bool | None = None
     logprobs: Int | None = None
     suffix: Any = None
@@ -606,7 +623,7 @@ def beam_search_params(body, params):
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
     except ValueError as e:
-        raise ServerError(str(e)) from None
+        raise ServerError.invalid(e) from None
 
 
 BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
@@ -645,8 +662,8 @@ async def read_json(request, model):
     try:
         return model.model_validate_json(body)
     except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
-        loc = e.errors(include_url=False)[0]["loc"]
-        raise ServerError(validation_message(e), param=".".join(map(str, loc)) or None) from None
+        loc = e.errors(include_url=False)[0]["loc"]  # vLLM 0.32 (FastAPI's validation): type "Bad Request", param body.<field>
+        raise ServerError(validation_message(e), param=".".join(map(str, ("body", *loc))), type=HTTPStatus.BAD_REQUEST.phrase) from None
 
 
 async def read_body(request):
@@ -845,8 +862,10 @@ class OpenAIFormat:
                 continue
             delta, entries, finish_reason = new
             content = {"delta": {"content": delta}} if self.chat else {"text": delta}  # the last chat delta too: {"content": ""}, as vLLM
-            stop_reason = c.stop_reason if finish_reason else None  # sent on every chunk, set on the last (vLLM's field)
-            events.append(self.envelope([{"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": stop_reason}], True))
+            choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}
+            if finish_reason or not self.chat:  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
+                choice["stop_reason"] = c.stop_reason if finish_reason else None
+            events.append(self.envelope([choice], True))
         if out.finished:
             self.finished[index] = out
         if len(self.finished) == self.num_prompts:  # the last prompt just finished
@@ -955,7 +974,7 @@ async def bug(request, e):  # uvicorn logs the traceback; the client gets no int
 def check_model(server, body):
     if body.model is not None and body.model != server.model_name:
         # vLLM's words, and the name that would do
-        raise ServerError(f"The model `{body.model}` does not exist. Valid model names: {server.model_name}", 404, "model")
+        raise ServerError(f"The model `{body.model}` does not exist. Valid aliases: {server.model_name}.", 404, "model")
     return body
 
 
@@ -964,7 +983,7 @@ async def ask(engine, fn):
     try:
         return await engine.run(fn)
     except ValueError as e:
-        raise ServerError(str(e)) from None
+        raise ServerError.invalid(e) from None
 
 
 async def respond(request: Request, sub, fmt, stream):
@@ -1018,6 +1037,8 @@ async def generate(request: Request):
 async def completions(request: Request):
     server = request.app.state.server
     body = reject_unsupported(check_model(server, await read_json(request, Completion)))
+    if body.prompt is None:
+        raise ServerError("'prompt' is required", param="prompt")
     one = isinstance(body.prompt, str) or all(isinstance(t, int) for t in body.prompt)
     prompts = [body.prompt] if one else body.prompt
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped

@@ -553,6 +553,35 @@ def test_default_model_matches_hf_transformers(default_llm, default_hf):
     assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
 
 
+TRICKY_TEXTS = ["Hello, my name is", "  two leading spaces\tand a tab\n\nnewlines ", "Ünïcödé, 日本語, emoji 🤖👍🏽 and ¿qué?",
+                "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>", "x = f(a_b) + 1_000.5e-3 // 'quotes' \"double\"", ""]
+
+
+def test_gguf_load_equals_transformers(default_llm, default_hf):
+    """nanobatch's own GGUF reader gives the config, the tokenizer and all 273 tensors of transformers' GGUF load."""
+    model, tokenizer = default_hf
+    assert nanobatch.ModelConfig.from_hf(model.config) == default_llm.model_config
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(default_llm.hf_config, key) == getattr(model.config, key), key
+    ours, theirs = default_llm.model.state_dict(), model.state_dict()
+    assert len(theirs) == 273 and set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    mine = default_llm.tokenizer
+    assert mine.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str() and mine.special_tokens_map == tokenizer.special_tokens_map
+    for text in TRICKY_TEXTS:
+        assert mine(text).input_ids == tokenizer(text).input_ids and mine.decode(mine(text).input_ids) == text, text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TRICKY_TEXTS[2]}]
+    assert mine.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_gguf_reader_rejects_other_files(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
+        LLM(model=str(fake))
+
+
 def test_text_prompts_and_detokenization(default_llm, default_hf):
     model, tokenizer = default_hf
     prompts = ["Hello, my name is", "The capital of France is", "The future of AI is"]
@@ -2461,7 +2490,7 @@ def test_wrong_model_gets_404(server_model_dir):
             client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         status, answer = post(at_url(url), "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
-        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid model names: my-model",
+        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid aliases: my-model.",
                                                      "type": "NotFoundError", "param": "model", "code": 404}  # vLLM's fields
     finally:
         srv.stop()
@@ -2481,7 +2510,7 @@ def test_what_vllm_accepts_is_accepted(server):
     [choice] = body["choices"]
     assert status == 200 and len(choice["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and choice["prompt_logprobs"][0] is None
     status, answer = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "ten"})
-    assert status == 400 and answer["error"]["param"] == "max_tokens" and answer["error"]["type"] == "BadRequestError"
+    assert status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"  # vLLM's (FastAPI's) validation error
 
 
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
@@ -2582,6 +2611,33 @@ def test_completions_stream_sse(server):
     assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
     assert [e["choices"][0]["stop_reason"] for e in events] == [None] * len(events)  # vLLM's field on every chunk (None: not a stop string)
+
+
+# Recorded from vLLM 0.32 serving the HF copy of the default model (request -> the error's type and param)
+VLLM_ERRORS = [
+    ("/v1/completions", {"max_tokens": 3}, "BadRequestError", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "BadRequestError", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "BadRequestError", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "Bad Request", "body.temperature"),
+    ("/v1/chat/completions", {"model": "x"}, "Bad Request", "body.messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,kind,param", VLLM_ERRORS, ids=[f"{i}-{p}" for i, (p, *_) in enumerate(VLLM_ERRORS)])
+def test_errors_have_vllms_type_and_param(server, path, body, kind, param):
+    status, answer = post(server, path, body)
+    assert status == 400 and (answer["error"]["type"], answer["error"]["param"]) == (kind, param), answer
+    assert "SamplingParams" not in answer["error"]["message"]  # the request's words, not the engine's class
+
+
+def test_chat_stream_chunks_have_vllms_shape(server):
+    """Recorded from vLLM 0.32: a chat stream opens with the role, then content deltas without stop_reason;
+    the last chunk of a choice carries finish_reason and stop_reason."""
+    _, lines = stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True, **GREEDY_JSON})
+    events = sse_events(lines)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "stop_reason" not in events[0]["choices"][0]
+    assert all("stop_reason" not in e["choices"][0] for e in events[1:-1]) and len(events) == 4
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"][0]["stop_reason"] is None
 
 
 def test_stream_holds_back_a_partial_stop_string(server):
@@ -2726,13 +2782,13 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("/generate", {"prompt": "hi", "n": 0}, "SamplingParams.n"),
+    ("/generate", {"prompt": "hi", "n": 0}, "n must be"),
     ("/generate", {"prompt": "hi", "n": 1000}, "max_num_seqs"),
     ("/generate", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/generate", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/generate", {"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search does not stream"),
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
-    ("/v1/completions", {"model": "x"}, "'prompt' is required"),
+    ("/v1/completions", {"max_tokens": 3}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
     ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
@@ -2752,7 +2808,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
 @pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
     status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
-    assert status == 400 and answer["error"]["type"] == "BadRequestError"  # vLLM's type names
+    body_error = (answer["error"]["param"] or "").startswith("body")  # pydantic refused the body: vLLM's (FastAPI's) type
+    assert status == 400 and answer["error"]["type"] == ("Bad Request" if body_error else "BadRequestError")  # vLLM's type names
     assert words in answer["error"]["message"], answer
     assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
 
@@ -2820,7 +2877,7 @@ def metric_values(server):
     values = {}
     for family in text_string_to_metric_families(resp.read().decode()):
         for sample in family.samples:
-            assert sample.labels["model_name"] == server.model_name and sample.labels["engine"] == "0"
+            assert sample.labels.get("model_name", server.model_name) == server.model_name and sample.labels["engine"] == "0"
             values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
     conn.close()
     return values
@@ -2841,6 +2898,8 @@ def test_metrics_count_the_requests_sent(server):
 
     assert delta("vllm:prompt_tokens_total") == num_prompt
     assert delta("vllm:prefix_cache_queries_total") == num_prompt and delta("vllm:prefix_cache_hits_total") >= 0
+    assert delta("vllm:prompt_tokens_cached_total") == delta("vllm:prefix_cache_hits_total")
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == num_prompt - delta("vllm:prefix_cache_hits_total")
     assert delta("vllm:generation_tokens_total") == 3 * 3
     assert delta("vllm:request_success_total", "length") == 3
     for histogram in ["vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
@@ -2855,14 +2914,14 @@ def test_metrics_count_the_requests_sent(server):
 # vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
 # made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
 VLLM_METRICS = {
-    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
     "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"],
+                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached"],
     "histogram": ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
                   "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
-                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"],
-}
+                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens"],
+}  # names, kinds and labels as vLLM 0.32's v1/metrics/loggers.py declares them
 
 
 def test_metrics_scrape_has_vllms_families(server):
@@ -2875,6 +2934,13 @@ def test_metrics_scrape_has_vllms_families(server):
     assert {name: f.type for name, f in families.items()} == {name: kind for kind, names in VLLM_METRICS.items() for name in names}
     [info] = families["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"
+    assert "model_name" not in info.labels and info.labels["engine"] == "0"  # vLLM labels it with CacheConfig's fields and the engine only
+    for name, family in families.items():
+        if name != "vllm:cache_config_info":
+            assert all({"model_name", "engine"} <= set(sample.labels) for sample in family.samples), name
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every FinishReason, from the start
+    assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {"capacity", "deferred"}
 
 
 # -- The HTTP stack (uvicorn): connections, framing, logs --
