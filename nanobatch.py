@@ -36,6 +36,7 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -622,20 +623,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig):
-    """Rotary frequencies, with linear or Llama 3 ("llama3") scaling of the long wavelengths."""
+    """Rotary frequencies: pair i of each head turns by position * theta ** (-2i / head_dim)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    if s.get("rope_type", s.get("type")) == "linear":
-        return inv_freq / s["factor"]
-    factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long wavelengths: slowed down
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # in between: interpolated
-    return torch.where(medium, smoothed, scaled)
+    return scale_rope(inv_freq, cfg.rope_scaling) if cfg.rope_scaling else inv_freq  # hook (Long context)
 
 
 class Rotary(nn.Module):
@@ -753,11 +743,9 @@ def default_model_path():
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a HF folder's tokenizer
 
 
-def load_model(path, dtype, device, on_config=None, tp=None):
-    """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
-    config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once.
-    With tp (Tensor parallelism) the model holds this rank's shard only; cfg stays the whole model's."""
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+def read_config(path):
+    """(HF config, the .gguf file read by read_gguf or None) of a HF folder or a .gguf file."""
+    from transformers import AutoConfig
 
     path = os.path.expanduser(path)
     if not os.path.exists(path):
@@ -766,16 +754,25 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    gguf = read_gguf(path) if os.path.isfile(path) else None
-    hf_config = gguf_config(*gguf) if gguf else AutoConfig.from_pretrained(path)
+    gguf = read_gguf(path) if os.path.isfile(path) else None  # hook (GGUF files): metadata and a memory map of the tensors
+    return (gguf_config(*gguf) if gguf else AutoConfig.from_pretrained(path)), gguf
+
+
+def load_model(path, dtype, device, on_config=None, tp=None):
+    """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
+    config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once.
+    With tp (Tensor parallelism) the model holds this rank's shard only; cfg stays the whole model's."""
+    from transformers import AutoTokenizer
+
+    hf_config, gguf = read_config(path)
     cfg = ModelConfig.from_hf(hf_config)
     if on_config is not None:
         on_config(hf_config, cfg)
+    path = os.path.expanduser(path)
     if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
         raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
-    tokenizer = (PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)) if gguf
-                 else AutoTokenizer.from_pretrained(path))  # a GGUF's: transformers' own build from its vocabulary (a quick second read)
-    state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)
+    tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
+    state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     with torch.device("meta"):
         model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint's tensors fill it
     model = model.to_empty(device=device)
@@ -792,68 +789,6 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     parallelize(model, cfg, tp)  # hook (Tensor parallelism): the all-reduces and the logits gather
     kernels.pack_linears_cpu(model)  # bf16 on a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
-
-
-def read_gguf(path):
-    """A .gguf file's metadata, and its tensors as (shape, ggml type, bytes in a memory map), read once
-    with struct (gguf.GGUFReader takes seconds: it makes a numpy view of each string of the vocabulary)."""
-    import struct
-    import gguf
-    import numpy as np
-
-    with open(path, "rb") as f:
-        take = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))  # noqa: E731 (the next values, by struct's codes)
-
-        def value(kind):  # GGUF's value types 0..12: 8 a string, 9 an array, the others a number by struct code
-            if kind == 9:
-                kind, count = take("IQ")
-                return [value(kind) for _ in range(count)]
-            return take(f"{take('Q')[0]}s")[0].decode() if kind == 8 else take("BbHhIif?__Qqd"[kind])[0]
-
-        magic, version, num_tensors, num_keys = take("4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path!r} is not a GGUF file of version 2 or 3 (it starts {magic!r}, version {version})")
-        meta = {value(8): value(take("I")[0]) for _ in range(num_keys)}
-        table = [(value(8), tuple(reversed(take(f"{take('I')[0]}Q"))), *take("IQ")) for _ in range(num_tensors)]
-        start = -(-f.tell() // meta.get("general.alignment", 32)) * meta.get("general.alignment", 32)  # where the aligned tensor data begins
-    data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
-    return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
-                  for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes
-
-
-def gguf_config(meta, tensors):
-    """A GGUF's HF config, from its metadata by transformers' own table of llama.cpp's key names."""
-    from transformers import AutoConfig
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
-    arch = meta["general.architecture"]
-    if arch not in GGUF_CONFIG_MAPPING:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
-    params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
-    params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
-    params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
-    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors)
-
-
-GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's tensor names -> HF's
-
-
-def gguf_weights(meta, tensors, cfg):
-    """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
-    converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
-    import gguf as gguf_lib
-
-    state = {}
-    for name, (shape, kind, raw) in tensors.items():
-        layer, part, suffix = re.fullmatch(r"(blk\.\d+\.)?(\w+)\.(\w+)", name).groups()
-        if part in GGUF_NAMES:
-            w = torch.from_numpy(gguf_lib.quants.dequantize(raw, kind)).reshape(shape)
-            if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
-                w = w.reshape(cfg.num_heads if part == "attn_q" else cfg.num_kv_heads, -1, 2, *shape[1:]).transpose(1, 2).reshape(shape)
-            state[(layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix] = w
-    return state
 
 
 def _load_hf_weights(path, tp=None):
@@ -1011,8 +946,7 @@ class LLM:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        self.request_counter = itertools.count()
-        self.seq_counter = itertools.count()
+        self.request_counter, self.seq_counter = itertools.count(), itertools.count()
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
@@ -1295,8 +1229,7 @@ class LLM:
                 validated.append(self._validate(prompt, p, output_kind="final_only"))  # only final outputs: no per-step copies
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids, finished = [], {}
-        bar = None
+        ids, finished, bar = [], {}, None
         try:
             for v in validated:
                 ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
@@ -1320,10 +1253,6 @@ class LLM:
     def beam_search(self, prompts, params: "BeamSearchParams", use_tqdm=False) -> list["BeamSearchOutput"]:
         """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first (see Beam search)."""
         return beam_search(self, prompts, params, use_tqdm)
-
-def _as_list(x):
-    return x if isinstance(x, (list, tuple)) else [x]
-
 
 # =====================================================================================
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
@@ -1352,6 +1281,10 @@ def _int(v):  # True is an int to Python, not to a user
 
 def _num(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_list(x):
+    return x if isinstance(x, (list, tuple)) else [x]
 
 
 def _token_ids(ids):
@@ -1444,6 +1377,100 @@ def tokenize_prompt(llm, prompt):
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{llm.model_config.vocab_size - 1})")
         return None, list(prompt)
     raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+# ---- GGUF files ----
+#
+# llama.cpp's single-file format: a header of typed key/value metadata (the config and the tokenizer's
+# vocabulary), a table of tensors (name, shape, ggml type, offset), then the tensors, aligned and often
+# quantized in blocks (the default model is Q4_1: 32 weights share a scale and a minimum). load_model
+# reads one through these functions: the engine itself only ever sees HF's config and tensor names.
+
+
+def read_gguf(path):
+    """A .gguf file's metadata, and its tensors as (shape, ggml type, bytes in a memory map), read once
+    with struct (gguf.GGUFReader takes seconds: it makes a numpy view of each string of the vocabulary)."""
+    import struct
+    import gguf
+    import numpy as np
+
+    with open(path, "rb") as f:
+        take = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))  # noqa: E731 (the next values, by struct's codes)
+
+        def value(kind):  # GGUF's value types 0..12: 8 a string, 9 an array, the others a number by struct code
+            if kind == 9:
+                kind, count = take("IQ")
+                return [value(kind) for _ in range(count)]
+            return take(f"{take('Q')[0]}s")[0].decode() if kind == 8 else take("BbHhIif?__Qqd"[kind])[0]
+
+        magic, version, num_tensors, num_keys = take("4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path!r} is not a GGUF file of version 2 or 3 (it starts {magic!r}, version {version})")
+        meta = {value(8): value(take("I")[0]) for _ in range(num_keys)}
+        table = [(value(8), tuple(reversed(take(f"{take('I')[0]}Q"))), *take("IQ")) for _ in range(num_tensors)]
+        start = -(-f.tell() // meta.get("general.alignment", 32)) * meta.get("general.alignment", 32)  # where the aligned tensor data begins
+    data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
+    return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
+                  for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes
+
+
+def gguf_tokenizer(path):
+    # transformers' own build from the file's vocabulary (a quick second read of the metadata)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def gguf_config(meta, tensors):
+    """A GGUF's HF config, from its metadata by transformers' own table of llama.cpp's key names."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = meta["general.architecture"]
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
+    params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
+    params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
+    params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
+    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors)
+
+
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's tensor names -> HF's
+
+
+def gguf_weights(meta, tensors, cfg):
+    """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
+    converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
+    import gguf as gguf_lib
+
+    state = {}
+    for name, (shape, kind, raw) in tensors.items():
+        layer, part, suffix = re.fullmatch(r"(blk\.\d+\.)?(\w+)\.(\w+)", name).groups()
+        if part in GGUF_NAMES:
+            w = torch.from_numpy(gguf_lib.quants.dequantize(raw, kind)).reshape(shape)
+            if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
+                w = w.reshape(cfg.num_heads if part == "attn_q" else cfg.num_kv_heads, -1, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+            state[(layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix] = w
+    return state
+
+
+# ---- Long context: rope scaling ----
+
+
+def scale_rope(inv_freq, s):
+    """Rotary frequencies for a context longer than the model was trained on: "linear" slows every
+    wavelength by the factor; Llama 3's ("llama3") slows only the long ones and blends the middle."""
+    if s.get("rope_type", s.get("type")) == "linear":
+        return inv_freq / s["factor"]
+    factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long wavelengths: slowed down
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # in between: interpolated
+    return torch.where(medium, smoothed, scaled)
 
 
 # ---- Stats, and host-speed habits ----
@@ -2061,19 +2088,8 @@ def start_tensor_parallel(config: EngineConfig):
         return None
     if dist.is_initialized():
         raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
-    shard_config(_read_model_config(config.model or default_model_path()), argparse.Namespace(rank=0, size=config.tensor_parallel_size))  # fails before spawning
+    shard_config(ModelConfig.from_hf(read_config(config.model or default_model_path())[0]), argparse.Namespace(rank=0, size=config.tensor_parallel_size))  # fails before spawning
     return _spawn_ranks(config)
-
-
-def _read_model_config(path):
-    from transformers import AutoConfig
-
-    path = os.path.expanduser(path)
-    if os.path.isfile(path):
-        return ModelConfig.from_hf(AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)))
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
 
 
 def _rank_device(config, local_rank):
