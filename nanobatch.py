@@ -22,8 +22,9 @@ Part I, the engine, in the order of a step (read it top to bottom):
     Config | Sampling parameters and outputs | Requests and sequences | Block allocator |
     Scheduler | Model | Loading | Sampler | Engine (LLM.step is the algorithm in 30 lines)
 Part II, after the banner that closes Part I: the plug-ins, each reached from one named
-hook in Part I: Validation | Stats and host-speed habits | Detokenization | Logits processors |
-Logprobs | Structured outputs | Beam search | Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
+hook in Part I: Validation | GGUF files | Long context | Stats and host-speed habits |
+Detokenization | Logits processors | Logprobs | Structured outputs | Beam search |
+Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
 references that state the rule); server.py, a separate program, serves HTTP.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
@@ -1258,7 +1259,8 @@ class LLM:
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
 # =====================================================================================
 #
-# Everything below joins the step loop at a named place: check_* / tokenize_prompt (Validation),
+# Everything below joins the engine at a named place: check_* / tokenize_prompt (Validation),
+# read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # record_stats / BlockTables (Stats and host-speed habits), process_logits (Logits processors),
 # prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
 # step_beams (Beam search), broadcast_step (Tensor parallelism), _GenerateProgress (generate's
