@@ -686,10 +686,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: BatchMetadata):
         num_tokens = x.shape[0]
-        q, k, v = kernels.project(x, self.q_proj, self.k_proj, self.v_proj)  # one matmul where the weights are fused (a CPU)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        qkv = kernels.project(x, self.q_proj, self.k_proj, self.v_proj)  # one matmul where the weights are fused (a CPU)
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
