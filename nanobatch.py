@@ -665,9 +665,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: BatchMetadata):
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        qkv = kernels.project(x, self.q_proj, self.k_proj, self.v_proj)  # one matmul where the weights are fused (a CPU)
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
@@ -686,7 +685,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = kernels.project(x, self.gate_proj, self.up_proj)  # one matmul where the weights are fused (a CPU)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
