@@ -173,6 +173,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times one of its sequences was preempted (its blocks freed, to be recomputed)
 
 
 @dataclass
@@ -502,6 +503,7 @@ class Scheduler:
         its generated tokens are kept and prefilled again on readmission. A beam group goes
         as a whole, beams already in this step's batch included (its beams step together)."""
         group = [s for s in seq.request.seqs if s.status == RUNNING] if seq.request.beam is not None else [seq]
+        seq.request.metrics.num_preemptions += 1
         for s in reversed(group):  # appendleft in reverse: the group keeps its order at the front
             if s in batch.seqs:  # its copy-on-write, if any, then lands in a free block: harmless
                 i = batch.seqs.index(s)
@@ -1483,6 +1485,7 @@ class EngineStats:
     num_steps: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_step_tokens: int = 0  # tokens computed in the last step (prefill chunks and decodes)
     peak_blocks_in_use: int = 0
     kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
 
@@ -1491,6 +1494,7 @@ def record_stats(llm, batch):
     s = llm.stats
     s.num_steps += 1
     s.num_preemptions += batch.num_preempted
+    s.num_step_tokens = batch.num_tokens
     in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
     if in_use > s.peak_blocks_in_use:
         s.peak_blocks_in_use = in_use

@@ -249,6 +249,8 @@ class EngineLoop:
             return self._refuse(sub, added, ServerError(INTERNAL_ERROR, 500))
         for index, request_id in enumerate(added):
             self.outboxes[request_id] = (sub.deliver, index)
+            if self.metrics is not None:
+                self.metrics.admitted(self.llm.requests[request_id])
 
     def _refuse(self, sub, added, error):
         for request_id in added:  # a batch of prompts runs whole or not at all
@@ -261,6 +263,8 @@ class EngineLoop:
         except Exception:  # fail the running requests, not the server
             log.exception("engine step failed; failing the running requests")
             return self._fail_all(ServerError(INTERNAL_ERROR, 500))
+        if self.metrics is not None:
+            self.metrics.stepped(self.llm.stats)
         self._deliver(outputs)
 
     def _deliver(self, outputs):
@@ -313,11 +317,13 @@ class ServerMetrics:
 
     TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
     ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+    ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
     def __init__(self, model_name, llm: LLM):
         disable_created_metrics()  # as vLLM: no *_created series (a process-wide setting of prometheus_client)
         self.registry = CollectorRegistry()
+        self.max_model_len = llm.max_model_len
         labels = {"model_name": model_name, "engine": "0"}  # one engine per server (vLLM numbers its data-parallel engines)
 
         def metric(kind, name, doc, **kwargs):
@@ -349,6 +355,22 @@ class ServerMetrics:
         self.inference = metric(Histogram, "vllm:request_inference_time_seconds", "First scheduled to finish.", buckets=self.REQUEST_BUCKETS)
         self.prefill = metric(Histogram, "vllm:request_prefill_time_seconds", "First scheduled to first token.", buckets=self.REQUEST_BUCKETS)
         self.decode = metric(Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS)
+        self.iteration_tokens = metric(Histogram, "vllm:iteration_tokens_total", "Tokens computed per engine step.", buckets=self.ITERATION_BUCKETS)
+        self.request_max_tokens = metric(Histogram, "vllm:request_params_max_tokens", "The max_tokens of each finished request (the room left when unset).", buckets=token_buckets)
+        self.request_preemptions = metric(Histogram, "vllm:request_num_preemptions", "Times each finished request was preempted.", buckets=(1, 2, 3, 4, 5, 10, 20))
+        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.", [*labels, "source"], registry=self.registry)
+        self.prompt_computed, self.prompt_local_hit = (by_source.labels(**labels, source=s) for s in ("local_compute", "local_cache_hit"))
+        by_source.labels(**labels, source="external_kv_transfer")  # no KV transfer here: stays 0
+        cached_by_source = Counter("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that held them.", [*labels, "source"], registry=self.registry)
+        self.prompt_cached_device = cached_by_source.labels(**labels, source="device")  # the one tier here: the KV pool itself
+        for source in ("host", "p2p", "disk", "external_unspecified"):
+            cached_by_source.labels(**labels, source=source)
+        sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state: awake = 1 (this engine never sleeps).", [*labels, "sleep_state"], registry=self.registry)
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep.labels(**labels, sleep_state=state).set(value)
+        rejections = Counter("vllm:admission_rejections", "Admissions refused by a queue limit (none here: a busy server queues).", ["model_name", "reason"], registry=self.registry)
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            rejections.labels(model_name=model_name, reason=reason)
         success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=self.registry)
         self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error", "repetition")}  # vLLM's FinishReason
         c = llm.config  # vLLM's cache_config_info: the KV cache's settings (CacheConfig's field names) and the engine as labels of a constant 1, no model_name
@@ -357,6 +379,7 @@ class ServerMetrics:
         info = {"engine": labels["engine"], **{k: str(v) for k, v in info.items()}}
         Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry).labels(**info).set(1)
         self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
+        self.max_tokens = {}  # request id -> its max_tokens, from its admission to its end (engine thread)
         self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
     def observe(self, out: RequestOutput):
@@ -366,6 +389,9 @@ class ServerMetrics:
             self.prefix_queries.inc(len(out.prompt_token_ids))
             self.prefix_hits.inc(out.num_cached_tokens)
             self.prompt_cached.inc(out.num_cached_tokens)
+            self.prompt_cached_device.inc(out.num_cached_tokens)
+            self.prompt_local_hit.inc(out.num_cached_tokens)
+            self.prompt_computed.inc(len(out.prompt_token_ids) - out.num_cached_tokens)
             self.num_counted[out.request_id] = 0
         if out.request_id in self.num_counted:
             self.generation_tokens.inc(num_tokens - self.num_counted[out.request_id])
@@ -383,9 +409,12 @@ class ServerMetrics:
         self.request_max_generation.observe(longest)
         self.request_n.observe(len(out.outputs))
         self.request_computed.observe(len(out.prompt_token_ids) - (out.num_cached_tokens or 0))
+        if out.request_id in self.max_tokens:
+            self.request_max_tokens.observe(self.max_tokens.pop(out.request_id))
         m = out.metrics
         if m is None or m.finished_time is None:
             return
+        self.request_preemptions.observe(m.num_preemptions)
         self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
@@ -400,6 +429,14 @@ class ServerMetrics:
                 self.tpot.observe(mean_gap)
                 for _ in range(longest - 1):  # one per gap, as vLLM counts them; only the final output is seen, so each is the mean gap
                     self.itl.observe(mean_gap)
+
+    def admitted(self, request):
+        # as vLLM: an unset max_tokens is the room the context leaves
+        self.max_tokens[request.request_id] = request.params.max_tokens or self.max_model_len - len(request.prompt_token_ids)
+
+    def stepped(self, stats):
+        if stats.num_step_tokens:
+            self.iteration_tokens.observe(stats.num_step_tokens)
 
     def read_engine(self, llm: LLM):
         """The gauges, read in the engine thread."""

@@ -688,8 +688,9 @@ def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
     prompts, expected = reference_outputs
     # 15 blocks of 16 tokens: the longest request (224 tokens) fits alone, but not next to others
     llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False, **CPU)
-    tokens, _ = run_workload(llm, prompts)
+    tokens, outputs = run_workload(llm, prompts)
     assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert sum(o.metrics.num_preemptions for o in outputs) == llm.stats.num_preemptions  # each counted on its request too
     assert tokens == expected
 
 
@@ -2877,8 +2878,9 @@ def metric_values(server):
     values = {}
     for family in text_string_to_metric_families(resp.read().decode()):
         for sample in family.samples:
-            assert sample.labels.get("model_name", server.model_name) == server.model_name and sample.labels["engine"] == "0"
-            values[(sample.name, sample.labels.get("finished_reason"))] = sample.value
+            assert sample.labels.get("model_name", server.model_name) == server.model_name and sample.labels.get("engine", "0") == "0"
+            extra = [v for k, v in sample.labels.items() if k not in ("model_name", "engine")]  # finished_reason, source, ...
+            values[(sample.name, extra[0] if extra else None)] = sample.value
     conn.close()
     return values
 
@@ -2907,6 +2909,14 @@ def test_metrics_count_the_requests_sent(server):
         assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
     assert delta("vllm:inter_token_latency_seconds_count") == 3 * 2  # one per gap between two tokens
     assert delta("vllm:request_prompt_tokens_sum") == num_prompt and delta("vllm:request_generation_tokens_sum") == 3 * 3
+    computed = delta("vllm:prompt_tokens_by_source_total", "local_compute")
+    assert computed == num_prompt - delta("vllm:prefix_cache_hits_total") and delta("vllm:prompt_tokens_by_source_total", "external_kv_transfer") == 0
+    assert delta("vllm:prompt_tokens_cached_by_source_total", "device") == delta("vllm:prompt_tokens_by_source_total", "local_cache_hit") == delta("vllm:prefix_cache_hits_total")
+    # each step's tokens: the prompts' computed tokens once, then each output token but the last fed back
+    assert delta("vllm:iteration_tokens_total_sum") == computed + 3 * (3 - 1)
+    assert delta("vllm:request_params_max_tokens_sum") == 3 * 3 and delta("vllm:request_params_max_tokens_count") == 3
+    assert delta("vllm:request_num_preemptions_count") == 3 and delta("vllm:request_num_preemptions_sum") == 0
+    assert after[("vllm:engine_sleep_state", "awake")] == 1 and after[("vllm:admission_rejections_total", "max_num_queued_reqs")] == 0
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
     assert after[("vllm:kv_cache_usage_perc", None)] == 0
 
@@ -2914,13 +2924,16 @@ def test_metrics_count_the_requests_sent(server):
 # vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
 # made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
 VLLM_METRICS = {
-    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"],
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
+              "vllm:engine_sleep_state"],
     "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached"],
+                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached", "vllm:prompt_tokens_by_source",
+                "vllm:prompt_tokens_cached_by_source", "vllm:admission_rejections"],
     "histogram": ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
                   "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
-                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens"],
+                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens",
+                  "vllm:iteration_tokens_total", "vllm:request_params_max_tokens", "vllm:request_num_preemptions"],
 }  # names, kinds and labels as vLLM 0.32's v1/metrics/loggers.py declares them
 
 
@@ -2936,8 +2949,11 @@ def test_metrics_scrape_has_vllms_families(server):
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"
     assert "model_name" not in info.labels and info.labels["engine"] == "0"  # vLLM labels it with CacheConfig's fields and the engine only
     for name, family in families.items():
-        if name != "vllm:cache_config_info":
+        if name not in ("vllm:cache_config_info", "vllm:admission_rejections"):  # vLLM labels these two without model_name / engine
             assert all({"model_name", "engine"} <= set(sample.labels) for sample in family.samples), name
+    assert {s.labels["source"] for s in families["vllm:prompt_tokens_by_source"].samples} == {"local_compute", "local_cache_hit", "external_kv_transfer"}
+    assert {s.labels["source"] for s in families["vllm:prompt_tokens_cached_by_source"].samples} == {"device", "host", "p2p", "disk", "external_unspecified"}
+    assert {s.labels["reason"] for s in families["vllm:admission_rejections"].samples} == {"max_num_queued_reqs", "max_num_queued_tokens"}
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every FinishReason, from the start
     assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {"capacity", "deferred"}
