@@ -1448,12 +1448,15 @@ def gguf_weights(meta, tensors, cfg):
     """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
     converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
     import gguf as gguf_lib
+    import numpy as np
 
     state = {}
     for name, (shape, kind, raw) in tensors.items():
         layer, part, suffix = re.fullmatch(r"(blk\.\d+\.)?(\w+)\.(\w+)", name).groups()
         if part in GGUF_NAMES:
-            w = torch.from_numpy(gguf_lib.quants.dequantize(raw, kind)).reshape(shape)
+            values = gguf_lib.quants.dequantize(raw, kind)
+            values = values.copy() if np.may_share_memory(values, raw) else values  # an F32 tensor is a view of the file: no parameter may live in its map
+            w = torch.from_numpy(values).reshape(shape)
             if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
                 w = w.reshape(cfg.num_heads if part == "attn_q" else cfg.num_kv_heads, -1, 2, *shape[1:]).transpose(1, 2).reshape(shape)
             state[(layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix] = w
