@@ -778,12 +778,16 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     with torch.device("meta"):
         model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint's tensors fill it
-    model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    state = {k: shard_tensor(k, v, cfg, tp).to(device, dtype) for k, v in state.items() if "rotary_emb" not in k}  # hook (Tensor parallelism)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)  # the tensors themselves, not a copy (a TP shard is a view)
+    state = {k: shard_tensor(k, v, cfg, tp) for k, v in state.items() if "rotary_emb" not in k}  # hook (Tensor parallelism)
+    if tp is None:  # the checkpoint's tensors become the parameters: one copy on the device, a tied tensor once
+        moved = {i: v.to(device, dtype) for i, v in {id(v): v for v in state.values()}.items()}
+        state = {k: moved[id(v)] for k, v in state.items()}
+    else:  # a shard is a slice of the checkpoint's tensor: copied into an empty model
+        model = model.to_empty(device=device)
+    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.eval()
