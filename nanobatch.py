@@ -2093,9 +2093,9 @@ def start_tensor_parallel(config: EngineConfig):
         if config.tensor_parallel_size not in (1, world):
             raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size} but torchrun started {world} ranks")
         config.tensor_parallel_size, rank = world, int(os.environ["RANK"])
-        _rank_device(config, int(os.environ.get("LOCAL_RANK", rank)))
+        config.device = _rank_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
         timeout = datetime.timedelta(days=365) if rank else None  # see _rank_main
-        dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(_backend(config.device), rank=rank, world_size=world, timeout=timeout)
         return TensorParallel(rank, world)
     if config.tensor_parallel_size == 1:
         return None
@@ -2105,10 +2105,16 @@ def start_tensor_parallel(config: EngineConfig):
     return _spawn_ranks(config)
 
 
-def _rank_device(config, local_rank):
-    if config.device.startswith("cuda"):
-        config.device = f"cuda:{local_rank}"  # one GPU per rank; NCCL's object broadcasts use the current one
-        torch.cuda.set_device(config.device)
+def _rank_device(device, local_rank):
+    """This rank's device: one GPU per rank, made current (NCCL's object broadcasts use it); a CPU as it is."""
+    if not device.startswith("cuda"):
+        return device
+    torch.cuda.set_device(f"cuda:{local_rank}")
+    return f"cuda:{local_rank}"
+
+
+def _backend(device):
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def _spawn_ranks(config):
@@ -2116,7 +2122,7 @@ def _spawn_ranks(config):
     import torch.multiprocessing as mp
 
     n = config.tensor_parallel_size
-    _rank_device(config, 0)
+    config.device = _rank_device(config.device, 0)
     # rank 0 hosts the rendezvous store; the ranks check in there first, so that one that fails to
     # start is seen while rank 0 waits (process liveness), not after a rendezvous timeout
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
@@ -2132,7 +2138,7 @@ def _spawn_ranks(config):
             tp.shutdown()
             raise TPError(f"tensor-parallel ranks did not start within {TP_START_SECONDS} s")
         time.sleep(0.05)
-    dist.init_process_group("nccl" if config.device.startswith("cuda") else "gloo", store=store, rank=0, world_size=n)
+    dist.init_process_group(_backend(config.device), store=store, rank=0, world_size=n)
     return tp
 
 
@@ -2145,12 +2151,9 @@ def _rank_main(rank, size, port, kwargs):
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     store.set(f"joined/{rank}", "1")
-    cuda = kwargs["device"].startswith("cuda")
-    kwargs = {**kwargs, "device": f"cuda:{rank}" if cuda else kwargs["device"]}
-    if cuda:
-        torch.cuda.set_device(kwargs["device"])
+    kwargs = {**kwargs, "device": _rank_device(kwargs["device"], rank)}
     # a rank waits for rank 0's next step as long as rank 0 stays idle: no collective timeout that matters
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365))
+    dist.init_process_group(_backend(kwargs["device"]), store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365))
     _WORKER_TP = TensorParallel(rank, size)
     LLM(**kwargs)  # does not return: serve_if_worker serves rank 0's steps, then exits
 

@@ -441,8 +441,9 @@ class ServerMetrics:
     def read_engine(self, llm: LLM):
         """The gauges, read in the engine thread."""
         self.num_running.set(len({s.request.request_id for s in llm.scheduler.running}))
-        self.num_waiting.set(len({s.request.request_id for s in llm.scheduler.waiting}))
-        self.waiting_capacity.set(len({s.request.request_id for s in llm.scheduler.waiting}))
+        num_waiting = len({s.request.request_id for s in llm.scheduler.waiting})
+        self.num_waiting.set(num_waiting)
+        self.waiting_capacity.set(num_waiting)  # every waiting request waits for capacity here
         self.kv_usage.set(1 - llm.allocator.num_free_blocks / llm.allocator.num_blocks)
         self.preemptions.inc(llm.stats.num_preemptions - self.preemptions_read)
         self.preemptions_read = llm.stats.num_preemptions
