@@ -1196,20 +1196,23 @@ def project(x, *linears):
 
 
 def pack_linears_cpu(model):
-    """bf16 on a CPU: every nn.Linear's weight reordered once, at load, into oneDNN's blocked layout.
-    F.linear hands oneDNN torch's plain layout, and oneDNN reorders it at every call; packing once is
-    what torch.compile's freezing does on a CPU, with the same results bit for bit. One layer at a time,
-    so memory stays the same once loading ends (a tied lm_head gets its own packed copy of the
-    embedding). Tried on one layer first: a torch without these oneDNN ops, or one whose results
-    differ, keeps F.linear, with a warning. Any other device or dtype: nothing to do."""
+    """A CPU model in bf16 or fp32: every nn.Linear's weight reordered once, at load, into oneDNN's
+    blocked layout. In bf16, F.linear hands oneDNN torch's plain layout and oneDNN reorders it at every
+    call; packing once is what torch.compile's freezing does on a CPU, with the same results bit for bit.
+    In fp32, F.linear is MKL's sgemm, which has no packed form for a small batch; oneDNN's packed one
+    does the same sums in another order (results within rounding: _agrees) and runs a decode step's
+    matmuls faster. One layer at a time, so memory stays the same once loading ends (a tied lm_head
+    gets its own packed copy of the embedding). Tried on one layer first: a torch or CPU without these
+    oneDNN ops (bf16 needs AVX512 or AVX-NE-CONVERT), or one whose results differ, keeps F.linear, with
+    a warning. Any other device or dtype: nothing to do."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     first = linears[0] if linears else None
-    if first is None or first.weight.device.type != "cpu" or first.weight.dtype != torch.bfloat16:
+    if first is None or first.weight.device.type != "cpu" or first.weight.dtype not in (torch.bfloat16, torch.float32):
         return
     try:
         probe = torch.randn(3, first.in_features, dtype=first.weight.dtype, generator=torch.Generator().manual_seed(0))
         packed = torch.ops.mkldnn._reorder_linear_weight(first.weight.detach())
-        if not torch.equal(torch.ops.mkldnn._linear_pointwise(probe, packed, first.bias, "none", [], ""), first(probe)):
+        if not _agrees(torch.ops.mkldnn._linear_pointwise(probe, packed, first.bias, "none", [], ""), first(probe)):
             raise ValueError("results differ from F.linear")
     except Exception as e:
         warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
@@ -1236,13 +1239,13 @@ def _input_groups(model):
 def _fuse(group):
     """One packed weight (and bias) for a group of Linears, their rows stacked: one matmul instead of
     two or three (fewer calls per layer; oneDNN's wider blocks at prefill). Kept only if each layer's slice of
-    the fused output equals its own F.linear on the probe bit for bit; else the group is left alone (returns [])."""
+    the fused output agrees with its own F.linear on the probe (_agrees); else the group is left alone (returns [])."""
     probe = torch.randn(3, group[0].in_features, dtype=group[0].weight.dtype, generator=torch.Generator().manual_seed(0))
     weight = torch.cat([m.weight.detach() for m in group])
     bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     out = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "").split([m.out_features for m in group], dim=-1)
-    if not all(torch.equal(o, m(probe)) for o, m in zip(out, group)):
+    if not all(_agrees(o, m(probe)) for o, m in zip(out, group)):
         return []
     shared, start = torch.nn.Parameter(packed, requires_grad=False), 0
     shared_bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
@@ -1250,6 +1253,12 @@ def _fuse(group):
         m.weight, m.bias, m.cols = shared, shared_bias, slice(start, start + m.out_features)
         m.__class__, start = PackedLinear, start + m.out_features
     return group
+
+
+def _agrees(got, want):
+    """bf16: bit for bit (so the greedy tokens do not change). fp32: within rounding (MKL and oneDNN add in
+    different orders; F.linear itself differs across batch sizes by as much)."""
+    return torch.equal(got, want) if got.dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def greedy_tokens(logits, chunk=1024, loops=True):

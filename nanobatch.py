@@ -794,7 +794,7 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     parallelize(model, cfg, tp)  # hook (Tensor parallelism): the all-reduces and the logits gather
-    kernels.pack_linears_cpu(model)  # bf16 on a CPU: weights in oneDNN's layout, once; elsewhere nothing
+    kernels.pack_linears_cpu(model)  # a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
 
 

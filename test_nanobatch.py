@@ -557,13 +557,15 @@ TRICKY_TEXTS = ["Hello, my name is", "  two leading spaces\tand a tab\n\nnewline
                 "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>", "x = f(a_b) + 1_000.5e-3 // 'quotes' \"double\"", ""]
 
 
-def test_gguf_load_equals_transformers(default_llm, default_hf):
+def test_gguf_load_equals_transformers(default_llm, default_hf, monkeypatch):
     """nanobatch's own GGUF reader gives the config, the tokenizer and all 273 tensors of transformers' GGUF load."""
     model, tokenizer = default_hf
     assert nanobatch.ModelConfig.from_hf(model.config) == default_llm.model_config
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "max_position_embeddings"):
         assert getattr(default_llm.hf_config, key) == getattr(model.config, key), key
-    ours, theirs = default_llm.model.state_dict(), model.state_dict()
+    monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)  # the tensors as read, not packed for oneDNN
+    ours = nanobatch.load_model(nanobatch.default_model_path(), torch.float32, "cpu")[0].state_dict()
+    theirs = model.state_dict()
     assert len(theirs) == 273 and set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
