@@ -1687,8 +1687,8 @@ class Case:
     q_is_view: bool = False  # q as a strided slice of a wider buffer (like a fused qkv)
 
 
-def build(case):
-    """Dense per-sequence K/V and q, plus the paged cache holding them. Every cache
+def build(case, device=DEVICE):
+    """Dense per-sequence K/V and q, plus the paged cache holding them (on device). Every cache
     slot the batch does not own is NaN (unreferenced blocks, and slots past seq_len
     in each last block), padded block-table entries hold garbage ids, and the blocks
     of each sequence are scattered over the cache in shuffled order."""
@@ -1723,7 +1723,7 @@ def build(case):
     q_lens = [n for _, n in case.seqs]
     query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     meta = dict(block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=query_start_loc)
-    to_dev = lambda t: t.to(DEVICE)  # noqa: E731
+    to_dev = lambda t: t.to(device)  # noqa: E731
     args = (to_dev(q), to_dev(k_cache), to_dev(v_cache), *(to_dev(t) for t in meta.values()), D**-0.5)
     return args, (ks, vs, qs)
 
@@ -1743,9 +1743,7 @@ def naive_attention(case, dense):
 
 
 def check_attention(impl, case):
-    args, dense = build(case)
-    if impl is kernels.paged_attention_cpu:  # the CPU path takes CPU tensors, also on a GPU machine
-        args = [a.cpu() if torch.is_tensor(a) else a for a in args]
+    args, dense = build(case, "cpu" if impl is kernels.paged_attention_cpu else DEVICE)  # the CPU path: CPU tensors, also on a GPU machine
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     got = impl(*args, out=out)
     assert got is out
@@ -2125,7 +2123,7 @@ def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
     sequence's first key (the loops' running max starts at -inf)."""
     monkeypatch.setattr(kernels, "USE_CPU_LOOPS", loops)
     case = Case([(20, 1), (9, 1)], 8, 2, 3, 32, torch.float32, seed=5)
-    args = [a.cpu() if torch.is_tensor(a) else a for a in build(case)[0]]  # the CPU path, also on a GPU machine
+    args, _ = build(case, "cpu")  # the CPU path, also on a GPU machine
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     q[:, :, 0] = 1.0
     for seq in range(2):  # every sequence's first key: score -inf for every head
