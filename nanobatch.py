@@ -25,7 +25,8 @@ Part II, after the banner that closes Part I: the plug-ins, each reached from on
 hook in Part I: Validation | GGUF files | Long context | Stats and host-speed habits |
 Detokenization | Logits processors | Logprobs | Structured outputs | Beam search |
 Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
-references that state the rule); server.py, a separate program, serves HTTP.
+references that state the rule). Two options live in their own modules, imported only when asked for:
+tp.py, tensor parallelism over several devices, and server.py, a separate program that serves HTTP.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
@@ -37,9 +38,7 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
-import contextlib
 import dataclasses
-import datetime
 import gc
 import glob
 import hashlib
@@ -51,7 +50,6 @@ import os
 import re
 import sys
 import time
-import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -777,14 +775,15 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     with torch.device("meta"):
-        model = Model(shard_config(cfg, tp)).to(dtype)  # no memory yet: the checkpoint's tensors fill it
+        model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet: the checkpoint's tensors fill it
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    state = {k: shard_tensor(k, v, cfg, tp) for k, v in state.items() if "rotary_emb" not in k}  # hook (Tensor parallelism)
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
     if tp is None:  # the checkpoint's tensors become the parameters: one copy on the device, a tied tensor once
         moved = {i: v.to(device, dtype) for i, v in {id(v): v for v in state.values()}.items()}
         state = {k: moved[id(v)] for k, v in state.items()}
-    else:  # a shard is a slice of the checkpoint's tensor: copied into an empty model
+    else:  # hook (tp.py): this rank's slices of the checkpoint's tensors, copied into an empty model
+        state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
         model = model.to_empty(device=device)
     model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
@@ -793,7 +792,8 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     model.eval()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    parallelize(model, cfg, tp)  # hook (Tensor parallelism): the all-reduces and the logits gather
+    if tp is not None:
+        tp.parallelize(model, cfg)  # hook (tp.py): the all-reduces and the logits gather
     kernels.pack_linears_cpu(model)  # a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
 
@@ -803,7 +803,7 @@ def _load_hf_weights(path, tp=None):
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
-        return load_safetensors_shard(files, tp) if tp else {k: v for f in files for k, v in load_file(f).items()}
+        return tp.load_safetensors(files) if tp else {k: v for f in files for k, v in load_file(f).items()}
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     if not files:
         raise FileNotFoundError(f"model folder {path!r} has no *.safetensors or pytorch_model*.bin weights")
@@ -938,7 +938,7 @@ class LLM:
 
     def __init__(self, model=None, **engine_config):
         self.config = EngineConfig(model=model, **engine_config)
-        self.tp = start_tensor_parallel(self.config)  # hook (Tensor parallelism): None, or this rank's place in the group
+        self.tp = start_tensor_parallel(self.config)  # hook (Tensor parallelism: tp.py): None, or this rank's place in the group
         self.device = torch.device(self.config.device)
         path = self.config.model or default_model_path()
         self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp)
@@ -957,7 +957,8 @@ class LLM:
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
-        serve_if_worker(self)  # hook (Tensor parallelism): ranks > 0 run the model on rank 0's steps, then exit
+        if self.tp is not None and self.tp.rank > 0:
+            self.tp.serve(self)  # hook (tp.py): ranks > 0 run the model on rank 0's steps, then exit
 
     def _set_max_model_len(self, hf_config, model_config):
         """Runs on the model's config, before its weights load."""
@@ -984,7 +985,8 @@ class LLM:
             num_blocks = c.num_kv_blocks
         else:
             num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
-        num_blocks = agree_num_blocks(self.tp, num_blocks)  # hook (Tensor parallelism): block ids mean one slot on every rank
+        if self.tp is not None:
+            num_blocks = self.tp.min_over_ranks(num_blocks)  # hook (tp.py): block ids mean one slot on every rank
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
@@ -1095,7 +1097,8 @@ class LLM:
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch
-        broadcast_step(self.tp, batch.block_copies, input_ids, positions, meta)  # hook (Tensor parallelism): the other ranks' inputs
+        if self.tp is not None:  # hook (tp.py): the other ranks' inputs
+            self.tp.broadcast_step(batch.block_copies, input_ids, positions, meta)
         logits = self.model(input_ids, positions, self.layer_caches, meta)  # 4. (sampled + prompt-logprob rows, vocab)
         self.scheduler.mark_computed(batch)  # 5. the new K/V are cached: full blocks become shareable
         if prompt_spans:  # hook (Logprobs): the prompt positions' rows
@@ -1269,8 +1272,8 @@ class LLM:
 # read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # record_stats / BlockTables (Stats and host-speed habits), process_logits (Logits processors),
 # prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
-# step_beams (Beam search), broadcast_step (Tensor parallelism), _GenerateProgress (generate's
-# progress bar). A learner may stop here.
+# step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks marked tp.py are
+# the methods of the object it returns), _GenerateProgress (generate's progress bar). A learner may stop here.
 
 
 # ---- Validation: bad settings get an error that names them ----
@@ -2033,308 +2036,20 @@ def finish_beams(llm, request):
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)
 
 
-# ---- Tensor parallelism ----
-# Megatron-style: every layer is split across N ranks, so a model N times larger than one device runs.
-# q/k/v and gate/up are column-parallel (each rank computes its heads / its slice of the MLP), o_proj and
-# down_proj row-parallel (each rank's partial sum, then one all-reduce each: two per layer), the embedding
-# vocab-parallel (each rank looks up its rows, one all-reduce), the lm_head's logits gathered on rank 0.
-# Rank 0 runs the scheduler and the sampler; each step it broadcasts the model's inputs, so the other
-# ranks keep no scheduling state of their own (nothing to drift after a preemption): they hold their
-# shard of the weights and their heads' KV pool, indexed by rank 0's block ids. gloo on CPU, NCCL on CUDA.
-
-_WORKER_TP = None  # set in a spawned rank before it builds its LLM
-TP_START_SECONDS = 120  # a rank that has not joined by then (loading is after joining) failed to start
-
-
-class TPError(RuntimeError):
-    """A rank of the tensor-parallel group died or failed to start."""
-
-
-class TensorParallel:
-    """This process's place in the group. On rank 0, shutdown() (or the LLM being collected, or exit:
-    a weakref.finalize, so it runs once) tells the other ranks to stop and waits for them."""
-
-    def __init__(self, rank, size, procs=()):
-        self.rank, self.size, self.procs = rank, size, list(procs)  # procs: the ranks rank 0 spawned
-        self.shutdown = weakref.finalize(self, _stop_ranks, rank, self.procs)
-
-    def check_alive(self):
-        for rank, proc in enumerate(self.procs, start=1):
-            if not proc.is_alive():
-                raise TPError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode}; its error is on stderr); the engine cannot "
-                              "run without it. A script that starts ranks needs `if __name__ == '__main__':` around its code")
-
-
-def _stop_ranks(rank, procs):
-    import torch.distributed as dist
-
-    try:
-        if rank == 0 and dist.is_initialized() and all(p.is_alive() for p in procs):
-            dist.broadcast_object_list([None], src=0)  # None: stop
-    except RuntimeError:
-        pass  # a rank is gone already: the group cannot carry the message; kill below
-    for proc in (p for p in procs if p.pid is not None):  # started ones
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# ---- Tensor parallelism: tp.py ----
 
 
 def start_tensor_parallel(config: EngineConfig):
-    """This process's place in the group: None without TP; under torchrun (WORLD_SIZE set) the env://
-    rendezvous; else rank 0, which spawns ranks 1..N-1 on this machine and waits for them to join."""
-    import torch.distributed as dist
-
-    if _WORKER_TP is not None:
-        return _WORKER_TP
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # torchrun: every rank runs this same program
-        if config.tensor_parallel_size not in (1, world):
-            raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size} but torchrun started {world} ranks")
-        config.tensor_parallel_size, rank = world, int(os.environ["RANK"])
-        config.device = _rank_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
-        timeout = datetime.timedelta(days=365) if rank else None  # see _rank_main
-        dist.init_process_group(_backend(config.device), rank=rank, world_size=world, timeout=timeout)
-        return TensorParallel(rank, world)
-    if config.tensor_parallel_size == 1:
+    """None on one device. Else this process's place in the tensor-parallel group: a tp.TensorParallel,
+    whose methods are the hooks in load_model, the KV pool's sizing and LLM.step. Tensor parallelism
+    lives in its own module, as in gpt-fast, imported only here: nanobatch.py + kernels.py stay the
+    whole single-device engine."""
+    if config.tensor_parallel_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
-    if dist.is_initialized():
-        raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
-    shard_config(ModelConfig.from_hf(read_config(config.model or default_model_path())[0]), argparse.Namespace(rank=0, size=config.tensor_parallel_size))  # fails before spawning
-    return _spawn_ranks(config)
+    sys.modules.setdefault("nanobatch", sys.modules[__name__])  # run as a script this module is __main__: tp.py's `import nanobatch` must find it
+    import tp
 
-
-def _rank_device(device, local_rank):
-    """This rank's device: one GPU per rank, made current (NCCL's object broadcasts use it); a CPU as it is."""
-    if not device.startswith("cuda"):
-        return device
-    torch.cuda.set_device(f"cuda:{local_rank}")
-    return f"cuda:{local_rank}"
-
-
-def _backend(device):
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def _spawn_ranks(config):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    n = config.tensor_parallel_size
-    config.device = _rank_device(config.device, 0)
-    # rank 0 hosts the rendezvous store; the ranks check in there first, so that one that fails to
-    # start is seen while rank 0 waits (process liveness), not after a rendezvous timeout
-    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of this process's threads or CUDA state
-    kwargs = dataclasses.asdict(config)
-    tp = TensorParallel(0, n, [ctx.Process(target=_rank_main, args=(r, n, store.port, kwargs), daemon=True) for r in range(1, n)])
-    for proc in tp.procs:
-        proc.start()
-    deadline = time.monotonic() + TP_START_SECONDS
-    while not store.check([f"joined/{r}" for r in range(1, n)]):
-        tp.check_alive()
-        if time.monotonic() > deadline:
-            tp.shutdown()
-            raise TPError(f"tensor-parallel ranks did not start within {TP_START_SECONDS} s")
-        time.sleep(0.05)
-    dist.init_process_group(_backend(config.device), store=store, rank=0, world_size=n)
-    return tp
-
-
-def _rank_main(rank, size, port, kwargs):
-    """A spawned rank: join the group, build the same LLM (its shard), serve rank 0's steps."""
-    import torch.distributed as dist
-
-    global _WORKER_TP
-    if kwargs["device"] == "cpu":  # the ranks share this machine's cores: N processes of all-core threads would fight
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
-    store.set(f"joined/{rank}", "1")
-    kwargs = {**kwargs, "device": _rank_device(kwargs["device"], rank)}
-    # a rank waits for rank 0's next step as long as rank 0 stays idle: no collective timeout that matters
-    dist.init_process_group(_backend(kwargs["device"]), store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365))
-    _WORKER_TP = TensorParallel(rank, size)
-    LLM(**kwargs)  # does not return: serve_if_worker serves rank 0's steps, then exits
-
-
-def serve_if_worker(llm):
-    """Ranks > 0: run the model on each step rank 0 broadcasts (copy-on-write block copies first, as
-    LLM.step does) until rank 0 sends None, then leave the group and exit. The logits go to rank 0."""
-    import torch.distributed as dist
-
-    if llm.tp is None or llm.tp.rank == 0:
-        return
-    try:
-        while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                break
-            copies, input_ids, positions, meta = _to_device(box[0], llm.device)
-            with torch.inference_mode():
-                for src, dst in copies:
-                    llm.kv_pool[:, :, dst] = llm.kv_pool[:, :, src]
-                llm.model(input_ids, positions, llm.layer_caches, meta)
-    except RuntimeError:
-        pass  # rank 0 went away (the connection closed): nothing left to serve
-    dist.destroy_process_group()
-    sys.exit(0)
-
-
-def broadcast_step(tp, block_copies, input_ids, positions, meta):
-    """Rank 0: this step's inputs to every other rank (one pickled broadcast; on CUDA via host memory)."""
-    if tp is None:
-        return
-    import torch.distributed as dist
-
-    tp.check_alive()
-    with _clear_errors(tp):
-        dist.broadcast_object_list([_to_device((block_copies, input_ids, positions, meta), "cpu")], src=0)
-
-
-def _to_device(step, device):
-    copies, input_ids, positions, meta = step
-    tensors = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name != "attn_plan"}
-    meta = BatchMetadata(**{k: v.to(device) for k, v in tensors.items()})
-    return copies, input_ids.to(device), positions.to(device), meta
-
-
-@contextlib.contextmanager
-def _clear_errors(tp):
-    """A collective that fails on rank 0 because a rank died says which rank, not gloo's socket error."""
-    try:
-        yield
-    except RuntimeError as error:
-        if isinstance(error, TPError) or tp.rank != 0:
-            raise
-        time.sleep(0.5)  # a closed connection may be seen before the process is reaped
-        tp.check_alive()
-        raise TPError(f"a tensor-parallel collective failed: {error}") from error
-
-
-def agree_num_blocks(tp, num_blocks):
-    """Every rank sizes its pool from its own memory; all take the smallest, so block ids agree."""
-    import torch.distributed as dist
-
-    if tp is None:
-        return num_blocks
-    t = torch.tensor([num_blocks])
-    with _clear_errors(tp):
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t)
-
-
-def shard_plan(cfg: ModelConfig, tp):
-    """Where this rank's slices start: (first query head, first KV head, first MLP column), and its
-    ModelConfig: its query heads, its KV heads, its MLP columns, its vocabulary rows (padded to ceil(V/N)).
-    KV heads are split whole, each with its group of query heads (SmolLM2's 3 over 2 ranks: 2 and 1);
-    with fewer KV heads than ranks, each rank holds a copy of the KV head its query heads read."""
-    r, n, heads, kv_heads = tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads
-    if kv_heads >= n:
-        kv0, kv1 = r * kv_heads // n, (r + 1) * kv_heads // n
-        group = heads // kv_heads
-        q0, num_q, num_kv = kv0 * group, (kv1 - kv0) * group, kv1 - kv0
-    elif n % kv_heads == 0 and heads % n == 0:
-        kv0, num_kv, num_q = r * kv_heads // n, 1, heads // n
-        q0 = r * num_q
-    else:
-        raise ValueError(f"tensor_parallel_size {n} exceeds the model's {kv_heads} KV heads, so it must be a multiple of them "
-                         f"and divide its {heads} attention heads")
-    i0, i1 = r * cfg.intermediate_size // n, (r + 1) * cfg.intermediate_size // n
-    local = dataclasses.replace(cfg, num_heads=num_q, num_kv_heads=num_kv, intermediate_size=i1 - i0, vocab_size=-(-cfg.vocab_size // n))
-    return (q0, kv0, i0), local
-
-
-def shard_config(cfg: ModelConfig, tp):
-    """The shapes of this rank's shard (all of the model's without tensor parallelism)."""
-    return shard_plan(cfg, tp)[1] if tp is not None else cfg
-
-
-def shard_tensor(name, t, cfg: ModelConfig, tp):
-    """This rank's slice of checkpoint tensor `name`. t is a tensor or a lazy safetensors slice (only the
-    slice is read). Row-parallel biases live on rank 0 only (zeros elsewhere): the all-reduce adds them once."""
-    if tp is None:
-        return t
-    (q0, kv0, i0), local = shard_plan(cfg, tp)
-    d, q, kv, i = cfg.head_dim, local.num_heads * cfg.head_dim, local.num_kv_heads * cfg.head_dim, local.intermediate_size
-    column = {"q_proj": (q0 * d, q), "k_proj": (kv0 * d, kv), "v_proj": (kv0 * d, kv), "gate_proj": (i0, i), "up_proj": (i0, i)}
-    row = {"o_proj": (q0 * d, q), "down_proj": (i0, i)}
-    module = name.split(".")[-2] if "." in name else ""
-    if module in column:
-        start, size = column[module]
-        return t[start : start + size]  # (size, hidden) or (size,)
-    if module in row and name.endswith("weight"):
-        start, size = row[module]
-        return t[:, start : start + size]  # (hidden, size)
-    if module in row:  # the bias, (hidden,)
-        return t[:] if tp.rank == 0 else torch.zeros(t.get_shape() if hasattr(t, "get_shape") else t.shape)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        start = tp.rank * local.vocab_size
-        rows = t[start : min(start + local.vocab_size, cfg.vocab_size)]  # (<= local vocab, hidden)
-        return F.pad(rows, (0, 0, 0, local.vocab_size - rows.shape[0]))  # padded rows: never looked up, logits cut off
-    return t[:]
-
-
-def load_safetensors_shard(files, tp):
-    """name -> a lazy slice of a safetensors file: shard_tensor reads only this rank's part (~1/N of the bytes)."""
-    from safetensors import safe_open
-
-    handles = [safe_open(f, framework="pt") for f in files]
-    return {k: h.get_slice(k) for h in handles for k in h.keys()}
-
-
-def all_reduce(tp, x):
-    import torch.distributed as dist
-
-    with _clear_errors(tp):
-        dist.all_reduce(x)  # in place: the sum over ranks
-    return x
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds rows [start, start + local vocab): it looks up its own ids, zeros for the rest, then all-reduce."""
-
-    def __init__(self, embedding, start, tp):
-        super().__init__()
-        self.embedding, self.start, self.tp = embedding, start, tp
-
-    def forward(self, ids):
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.embedding.num_embeddings)  # (T,)
-        x = self.embedding(local.clamp(0, self.embedding.num_embeddings - 1))  # (T, hidden)
-        return all_reduce(self.tp, x.masked_fill(outside[:, None], 0))
-
-
-class GatheredLMHead(nn.Module):
-    """Each rank's logits for its vocabulary slice, gathered on rank 0 (the sampler's rank); None elsewhere."""
-
-    def __init__(self, linear, vocab_size, tp):
-        super().__init__()
-        self.linear, self.vocab_size, self.tp = linear, vocab_size, tp
-
-    def forward(self, x):
-        import torch.distributed as dist
-
-        logits = self.linear(x).contiguous()  # (S, local vocab)
-        parts = [torch.empty_like(logits) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
-        with _clear_errors(self.tp):
-            dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size] if parts else None  # (S, vocab): padding cut off
-
-
-def parallelize(model, cfg: ModelConfig, tp):
-    """Where the ranks must meet: two all-reduces per layer, one for the embedding, the logits gather.
-    o_proj and down_proj stay plain nn.Linear (CPU weight packing still applies): a forward hook sums
-    each rank's partial product (its bias is zero but on rank 0) over the ranks, in place."""
-    if tp is None:
-        return
-    for layer in model.model.layers:
-        for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            row_parallel.register_forward_hook(lambda module, args, out: all_reduce(tp, out))  # (T, hidden)
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, tp.rank * model.cfg.vocab_size, tp)
-    model.lm_head = GatheredLMHead(model.lm_head, cfg.vocab_size, tp)
+    return tp.start(config)
 
 
 # ---- Progress bar ----

@@ -46,6 +46,7 @@ import kernels
 import nanobatch
 import transformers
 from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, StructuredOutputsParams, BeamSearchParams
+import tp
 from server import VERSION, start_server  # names, not the module: `server` is the fixture below
 from server import structured_outputs_from_request
 
@@ -1539,7 +1540,7 @@ def test_tp_shards_weights_and_reports_a_dead_rank(tp_odd_model):
             llm.step()
         os.kill(llm.tp.procs[0].pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(nanobatch.TPError, match="rank 1 died"):
+        with pytest.raises(tp.TPError, match="rank 1 died"):
             for _ in range(50):
                 llm.step()
         assert time.monotonic() - start < 10
