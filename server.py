@@ -365,6 +365,15 @@ class ServerMetrics:
         self.prompt_cached_device = cached_by_source.labels(**labels, source="device")  # the one tier here: the KV pool itself
         for source in ("host", "p2p", "disk", "external_unspecified"):
             cached_by_source.labels(**labels, source=source)
+        self._constant_series(llm, labels)
+        self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
+        self.max_tokens = {}  # request id -> its max_tokens, from its admission to its end (engine thread)
+        self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
+
+    def _constant_series(self, llm, labels):
+        """The series that never move here but that vLLM's dashboards expect: its sleep states, admission
+        rejections and the KV cache's settings."""
+        model_name = labels["model_name"]
         sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state: awake = 1 (this engine never sleeps).", [*labels, "sleep_state"], registry=self.registry)
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
             sleep.labels(**labels, sleep_state=state).set(value)
@@ -378,9 +387,6 @@ class ServerMetrics:
                 "cache_dtype": "auto", "gpu_memory_utilization": c.gpu_memory_utilization}
         info = {"engine": labels["engine"], **{k: str(v) for k, v in info.items()}}
         Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry).labels(**info).set(1)
-        self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
-        self.max_tokens = {}  # request id -> its max_tokens, from its admission to its end (engine thread)
-        self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
     def observe(self, out: RequestOutput):
         num_tokens = sum(len(c.token_ids) for c in out.outputs)

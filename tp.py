@@ -155,7 +155,8 @@ class TensorParallel:
 
 def _to_device(step, device):
     copies, input_ids, positions, meta = step
-    tensors = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta) if f.name != "attn_plan"}
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name != "attn_plan"}  # the plan is made per rank
+    tensors = {name: v.to(device) for name, v in fields.items() if isinstance(v, torch.Tensor)}
     return copies, input_ids.to(device), positions.to(device), dataclasses.replace(meta, attn_plan=None, **tensors)
 
 
