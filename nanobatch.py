@@ -775,7 +775,7 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     with torch.device("meta"):
-        model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet: the checkpoint's tensors fill it
+        model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet; hook (tp.py): this rank's shapes
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -803,7 +803,7 @@ def _load_hf_weights(path, tp=None):
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
-        return tp.load_safetensors(files) if tp else {k: v for f in files for k, v in load_file(f).items()}
+        return tp.load_safetensors(files) if tp else {k: v for f in files for k, v in load_file(f).items()}  # hook (tp.py): lazy slices
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     if not files:
         raise FileNotFoundError(f"model folder {path!r} has no *.safetensors or pytorch_model*.bin weights")
@@ -986,7 +986,7 @@ class LLM:
         else:
             num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
         if self.tp is not None:
-            num_blocks = self.tp.min_over_ranks(num_blocks)  # hook (tp.py): block ids mean one slot on every rank
+            num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # hook (tp.py): block ids mean one slot on every rank
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
@@ -2047,7 +2047,10 @@ def start_tensor_parallel(config: EngineConfig):
     if config.tensor_parallel_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     sys.modules.setdefault("nanobatch", sys.modules[__name__])  # run as a script this module is __main__: tp.py's `import nanobatch` must find it
-    import tp
+    try:
+        import tp
+    except ImportError:
+        raise ValueError("tensor_parallel_size > 1 (or torchrun) needs tp.py next to nanobatch.py: tensor parallelism lives there") from None
 
     return tp.start(config)
 

@@ -371,8 +371,8 @@ class ServerMetrics:
         self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
 
     def _constant_series(self, llm, labels):
-        """The series that never move here but that vLLM's dashboards expect: its sleep states, admission
-        rejections and the KV cache's settings."""
+        """Series vLLM's dashboards expect, set up once: sleep states and admission rejections (constant here),
+        request_success by finish reason (observe counts it) and cache_config_info (the KV cache's settings)."""
         model_name = labels["model_name"]
         sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state: awake = 1 (this engine never sleeps).", [*labels, "sleep_state"], registry=self.registry)
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):

@@ -1554,6 +1554,13 @@ def test_tp_bad_settings(tiny_models):
         LLM(model=tiny_models["qwen2-bias"][0], tensor_parallel_size=3, **CPU)
 
 
+def test_tp_without_tp_py_names_the_missing_file(monkeypatch):
+    """nanobatch.py + kernels.py copied alone run on one device; asking them for TP says what is missing."""
+    monkeypatch.setitem(sys.modules, "tp", None)  # as if tp.py were not there: `import tp` raises ImportError
+    with pytest.raises(ValueError, match="needs tp.py next to nanobatch.py"):
+        LLM(tensor_parallel_size=2, **CPU)
+
+
 # ---- Bad input: clear errors, and the engine stays usable ----
 
 

@@ -121,9 +121,10 @@ class TensorParallel:
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, self.rank * model.cfg.vocab_size, self)
         model.lm_head = GatheredLMHead(model.lm_head, cfg.vocab_size, self)
 
-    def min_over_ranks(self, num_blocks):
-        """Every rank sizes its KV pool from its own memory; all take the smallest, so block ids agree."""
-        return int(self.all_reduce(torch.tensor([num_blocks]), op=dist.ReduceOp.MIN))
+    def min_over_ranks(self, num_blocks, device):
+        """Every rank sizes its KV pool from its own memory; all take the smallest, so block ids agree.
+        On the engine's device: NCCL reduces only CUDA tensors."""
+        return int(self.all_reduce(torch.tensor([num_blocks], device=device), op=dist.ReduceOp.MIN))
 
     # -- each step: rank 0 sends, the others run the model --
 
