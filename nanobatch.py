@@ -2049,7 +2049,9 @@ def start_tensor_parallel(config: EngineConfig):
     sys.modules.setdefault("nanobatch", sys.modules[__name__])  # run as a script this module is __main__: tp.py's `import nanobatch` must find it
     try:
         import tp
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != "tp":  # tp.py is there but something it imports is not: that error says more
+            raise
         raise ValueError("tensor_parallel_size > 1 (or torchrun) needs tp.py next to nanobatch.py: tensor parallelism lives there") from None
 
     return tp.start(config)

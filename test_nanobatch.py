@@ -3337,10 +3337,10 @@ def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
 
 
 def test_pyproject_builds_an_installable_wheel(tmp_path):
-    """`pip install .` / `pip install git+<url>`: the three modules at top level and the `nanobatch` command."""
+    """`pip install .` / `pip install git+<url>`: the four modules at top level and the `nanobatch` command."""
     import zipfile
 
-    for name in ("pyproject.toml", "README.md", "nanobatch.py", "kernels.py", "server.py"):
+    for name in ("pyproject.toml", "README.md", "nanobatch.py", "kernels.py", "tp.py", "server.py"):
         os.symlink(os.path.join(HERE, name), tmp_path / name)  # a copy: the build writes build/ next to its sources
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tmp_path), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -3349,5 +3349,5 @@ def test_pyproject_builds_an_installable_wheel(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert {"nanobatch.py", "kernels.py", "server.py"} <= set(names)
+    assert {"nanobatch.py", "kernels.py", "tp.py", "server.py"} <= set(names)
     assert "nanobatch = nanobatch:main" in entry_points
