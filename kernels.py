@@ -796,8 +796,10 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
             bits, shift = LOOP_DTYPES[k_cache.dtype]
             every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
+            # a job per sequence, unless that leaves a thread idle: then a job per (sequence, kv head)
+            heads_per_job = num_kv_heads if len(g.rows) >= 2 * torch.get_num_threads() else 1
             loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
-                  shift, g.block_tables, g.seq_lens, scale, o.numpy())
+                  shift, heads_per_job, g.block_tables, g.seq_lens, scale, o.numpy())
             if every_row:
                 out.copy_(o)
             else:
@@ -832,7 +834,7 @@ def _compile_loops(dtype):
     """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
     bits, shift = LOOP_DTYPES[dtype]
     q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
-    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, 1, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
     return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
 
 
@@ -892,81 +894,88 @@ EXP2_POLY = (0.9999998957631347, 0.693154620003295, 0.24014077009186627, 0.05586
 LOG2_E = 1.4426950408889634
 
 
-def _decode_attention_loops(q, k, v, shift, block_tables, seq_lens, scale, out):
+def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_lens, scale, out):
     """Decode attention as plain loops (numba compiles them): each sequence's one query row
     against its keys and values, read in place from the paged cache, once, with an online
     softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
     the sums rescaled when a block raises it).
     q (n, H, D) fp32; k, v (num_blocks, block_size, Hkv, D): the caches' bits, uint16 for bf16
     (widened to fp32 by a 16-bit shift: bf16 is the top half of an fp32) or uint32 for fp32
-    (shift 0); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32.
+    (shift 0); heads_per_job: Hkv (a job per sequence: each block of its cache is one contiguous
+    read, which memory streams fastest) or 1 (a job per (sequence, kv head): more jobs than a
+    few sequences give); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32.
     Every inner loop runs over contiguous fp32 rows with no call in it, so LLVM gives it SIMD lanes."""
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
+    jobs_per_seq = num_kv_heads // heads_per_job
     c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
-    for job in prange(n * num_kv_heads):  # one (sequence, kv head) per job: its query heads share every key
-        i, h = job // num_kv_heads, job % num_kv_heads
-        qh = np.empty((group, head_dim), np.float32)  # the group's query heads, scaled
-        for g in range(group):
+    for job in prange(n * jobs_per_seq):  # the query heads of a kv head share every key
+        i, h0 = job // jobs_per_seq, job % jobs_per_seq * heads_per_job
+        qh = np.empty((heads_per_job * group, head_dim), np.float32)  # the job's query heads, scaled
+        for g in range(heads_per_job * group):
             for d in range(head_dim):
-                qh[g, d] = q[i, h * group + g, d] * np.float32(scale)
-        key_bits, value_bits = np.empty((block_size, head_dim), np.uint32), np.empty((block_size, head_dim), np.uint32)
-        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)  # one block of head h, widened
+                qh[g, d] = q[i, h0 * group + g, d] * np.float32(scale)
+        key_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
+        value_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
+        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)  # one block of the job's kv heads, widened
         weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
         pow2_bits = np.empty(block_size, np.uint32)
         pow2 = pow2_bits.view(np.float32)  # 2**whole of each weight, made from its exponent bits
-        best = np.full(group, -np.inf, np.float32)  # the running max score of each query head
-        total = np.zeros(group, np.float32)  # sum of exp(score - best)
-        acc = np.zeros((group, head_dim), np.float32)  # sum of exp(score - best) * value
+        best = np.full(heads_per_job * group, -np.inf, np.float32)  # the running max score of each query head
+        total = np.zeros(heads_per_job * group, np.float32)  # sum of exp(score - best)
+        acc = np.zeros((heads_per_job * group, head_dim), np.float32)  # sum of exp(score - best) * value
         for b in range((seq_lens[i] + block_size - 1) // block_size):
             block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
             for t in range(num):
-                if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
-                    for d in range(head_dim):
-                        key_bits[t, d] = np.uint32(k[block, t, h, d]) << 16
-                    for d in range(head_dim):
-                        value_bits[t, d] = np.uint32(v[block, t, h, d]) << 16
-                else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
-                    for d in range(head_dim):
-                        key_bits[t, d] = np.uint32(k[block, t, h, d])
-                    for d in range(head_dim):
-                        value_bits[t, d] = np.uint32(v[block, t, h, d])
-            for g in range(group):
-                new_best = best[g]
-                for t in range(num):
-                    score = np.float32(0.0)
-                    for d in range(head_dim):
-                        score += qh[g, d] * keys[t, d]
-                    weights[g, t] = score
-                    new_best = max(new_best, score)
-                if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
-                    weights[g, :num] = 0.0
-                    continue
-                rescale = np.float32(math.exp(best[g] - new_best))  # what was summed so far, at the new max
-                best[g] = new_best
-                for d in range(head_dim):
-                    acc[g, d] *= rescale
-                # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
-                # 2**frac from the polynomial
-                for t in range(num):
-                    y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
-                    whole = np.floor(y)
-                    frac = y - whole
-                    weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
-                    pow2_bits[t] = np.uint32(np.int32(whole) + 127) << 23
-                block_total = np.float32(0.0)
-                for t in range(num):
-                    weights[g, t] *= pow2[t]
-                    block_total += weights[g, t]
-                total[g] = total[g] * rescale + block_total
-            for t in range(num):  # keys outer: the group's accumulator rows are independent chains
+                for h in range(heads_per_job):
+                    if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
+                        for d in range(head_dim):
+                            key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d]) << 16
+                        for d in range(head_dim):
+                            value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d]) << 16
+                    else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
+                        for d in range(head_dim):
+                            key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d])
+                        for d in range(head_dim):
+                            value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d])
+            for h in range(heads_per_job):
                 for g in range(group):
+                    qi = h * group + g  # the job's query head
+                    new_best = best[qi]
+                    for t in range(num):
+                        score = np.float32(0.0)
+                        for d in range(head_dim):
+                            score += qh[qi, d] * keys[t, h, d]
+                        weights[g, t] = score
+                        new_best = max(new_best, score)
+                    if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
+                        weights[g, :num] = 0.0
+                        continue
+                    rescale = np.float32(math.exp(best[qi] - new_best))  # what was summed so far, at the new max
+                    best[qi] = new_best
                     for d in range(head_dim):
-                        acc[g, d] += weights[g, t] * values[t, d]
-        for g in range(group):
+                        acc[qi, d] *= rescale
+                    # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
+                    # 2**frac from the polynomial
+                    for t in range(num):
+                        y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
+                        whole = np.floor(y)
+                        frac = y - whole
+                        weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
+                        pow2_bits[t] = np.uint32(np.int32(whole) + 127) << 23
+                    block_total = np.float32(0.0)
+                    for t in range(num):
+                        weights[g, t] *= pow2[t]
+                        block_total += weights[g, t]
+                    total[qi] = total[qi] * rescale + block_total
+                for t in range(num):  # keys outer: the group's accumulator rows are independent chains
+                    for g in range(group):
+                        for d in range(head_dim):
+                            acc[h * group + g, d] += weights[g, t] * values[t, h, d]
+        for g in range(heads_per_job * group):
             for d in range(head_dim):
-                out[i, h * group + g, d] = acc[g, d] / total[g]
+                out[i, h0 * group + g, d] = acc[g, d] / total[g]
 
 
 # ---- The CPU path: greedy argmax over bf16 logits ----

@@ -2141,6 +2141,28 @@ def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
     torch.testing.assert_close(kernels.paged_attention_cpu(*args), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype):
+    """The compiled decode loops give the same bits with a job per sequence (every kv head of a
+    block read at once, the route of a large batch) and a job per (sequence, kv head), and they
+    match the reference."""
+    loops = kernels._decode_loops(dtype)
+    if loops is None:
+        pytest.skip("numba is not installed")
+    case = Case([(40, 1), (7, 1), (0, 1), (65, 1), (16, 1)], 16, 3, 3, 64, dtype, seed=11, temperature=4.0)
+    args, _ = build(case, "cpu")
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    bits, shift = kernels.LOOP_DTYPES[dtype]
+    outs = []
+    for heads_per_job in (3, 1):
+        out = torch.empty(len(q), 9, 64)
+        loops(q.float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(), shift, heads_per_job,
+              block_tables.numpy(), seq_lens.numpy(), scale, out.numpy())
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].to(dtype), kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
     """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
     calls, plans = [], []
