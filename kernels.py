@@ -739,6 +739,7 @@ class DecodeRows:
     rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
     block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
     seq_lens: object  # (n,) int32 numpy array: their lengths
+    heads_per_job: int  # kv heads per job: all of them (a job per sequence), or 1 where that would leave a thread idle
 
 
 @dataclass
@@ -754,7 +755,8 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and _decode_loops(dtype) is not None:
         idx = torch.tensor(decode)
-        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy()))
+        heads_per_job = num_kv_heads if len(decode) >= 2 * torch.get_num_threads() else 1
+        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy(), heads_per_job))
         return plan
     group = []
     for i in sorted(decode, key=lens.__getitem__):
@@ -796,10 +798,8 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
             bits, shift = LOOP_DTYPES[k_cache.dtype]
             every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
-            # a job per sequence, unless that leaves a thread idle: then a job per (sequence, kv head)
-            heads_per_job = num_kv_heads if len(g.rows) >= 2 * torch.get_num_threads() else 1
             loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
-                  shift, heads_per_job, g.block_tables, g.seq_lens, scale, o.numpy())
+                  shift, g.heads_per_job, g.block_tables, g.seq_lens, scale, o.numpy())
             if every_row:
                 out.copy_(o)
             else:
