@@ -739,7 +739,7 @@ class DecodeRows:
     rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
     block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
     seq_lens: object  # (n,) int32 numpy array: their lengths
-    heads_per_job: int  # kv heads per job: all of them (a job per sequence), or 1 where that would leave a thread idle
+    heads_per_job: int  # kv heads per job: all of them (a job per sequence), or 1 when there are fewer sequences than threads
 
 
 @dataclass
@@ -755,7 +755,8 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and _decode_loops(dtype) is not None:
         idx = torch.tensor(decode)
-        heads_per_job = num_kv_heads if len(decode) >= 2 * torch.get_num_threads() else 1
+        # a job per sequence reads each cache block in one pass: faster as soon as every thread has a sequence
+        heads_per_job = num_kv_heads if len(decode) >= _loop_threads() else 1
         plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy(), heads_per_job))
         return plan
     group = []
@@ -862,10 +863,17 @@ def _compile(loops, probe, what, fallback):
         return None
 
     def run(*args):
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # per calling thread: as torch
+        numba.set_num_threads(_loop_threads())  # per calling thread
         compiled(*args)
 
     return run
+
+
+def _loop_threads():
+    """The compiled loops' threads: torch's, as far as numba has them."""
+    import numba
+
+    return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
 
 
 def announce_compile(loops):
@@ -899,18 +907,25 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_len
     against its keys and values, read in place from the paged cache, once, with an online
     softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
     the sums rescaled when a block raises it).
-    q (n, H, D) fp32; k, v (num_blocks, block_size, Hkv, D): the caches' bits, uint16 for bf16
-    (widened to fp32 by a 16-bit shift: bf16 is the top half of an fp32) or uint32 for fp32
-    (shift 0); heads_per_job: Hkv (a job per sequence: each block of its cache is one contiguous
-    read, which memory streams fastest) or 1 (a job per (sequence, kv head): more jobs than a
-    few sequences give); block_tables (n, max_blocks) and seq_lens (n,) int32; out (n, H, D) fp32.
-    Every inner loop runs over contiguous fp32 rows with no call in it, so LLVM gives it SIMD lanes."""
+    - q (n, H, D) fp32, one query row per sequence; query head j reads kv head j // (H // Hkv).
+    - k, v (num_blocks, block_size, Hkv, D): the caches' bits as numpy arrays (cache.view(torch.uint16)
+      for bf16, widened to fp32 by shift 16: bf16 is the top half of an fp32; cache.view(torch.uint32)
+      for fp32, shift 0); the last dimension contiguous.
+    - heads_per_job, a divisor of Hkv: Hkv (a job per sequence: each block of its cache is one
+      contiguous read, which memory streams fastest) or 1 (a job per (sequence, kv head): jobs for
+      every thread when there are fewer sequences than threads).
+    - block_tables (n, max_blocks) int32: only the first ceil(seq_len / block_size) ids of a row are
+      read, and must be valid (numba checks no bounds); seq_lens (n,) int32, each >= 1.
+    - scale multiplies q.k (head_dim ** -0.5); out (n, H, D) fp32 is overwritten.
+    Compiled by _compile (numba.njit(parallel=True, fastmath reassoc and contract)); it reads prange,
+    EXP2_POLY and LOG2_E from this module. Every inner loop runs over contiguous fp32 rows with no
+    call in it, so LLVM gives it SIMD lanes."""
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     jobs_per_seq = num_kv_heads // heads_per_job
     c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
-    for job in prange(n * jobs_per_seq):  # the query heads of a kv head share every key
+    for job in prange(n * jobs_per_seq):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
         i, h0 = job // jobs_per_seq, job % jobs_per_seq * heads_per_job
         qh = np.empty((heads_per_job * group, head_dim), np.float32)  # the job's query heads, scaled
         for g in range(heads_per_job * group):

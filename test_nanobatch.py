@@ -2142,25 +2142,42 @@ def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype):
+@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [(16, 3, 3, 64), (4, 4, 2, 24), (1, 2, 1, 8)])
+def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size, num_kv_heads, group, head_dim):
     """The compiled decode loops give the same bits with a job per sequence (every kv head of a
-    block read at once, the route of a large batch) and a job per (sequence, kv head), and they
-    match the reference."""
+    block read at once, the route of a large batch) and a job per (sequence, kv heads) for every
+    divisor of the kv heads, and they match the reference (last blocks partly filled and full)."""
     loops = kernels._decode_loops(dtype)
     if loops is None:
         pytest.skip("numba is not installed")
-    case = Case([(40, 1), (7, 1), (0, 1), (65, 1), (16, 1)], 16, 3, 3, 64, dtype, seed=11, temperature=4.0)
+    case = Case([(40, 1), (7, 1), (0, 1), (65, 1), (31, 1), (16, 1)], block_size, num_kv_heads, group, head_dim, dtype, seed=11, temperature=4.0)
     args, _ = build(case, "cpu")
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     bits, shift = kernels.LOOP_DTYPES[dtype]
     outs = []
-    for heads_per_job in (3, 1):
-        out = torch.empty(len(q), 9, 64)
+    for heads_per_job in [h for h in range(num_kv_heads, 0, -1) if num_kv_heads % h == 0]:
+        out = torch.empty_like(q, dtype=torch.float32)
         loops(q.float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(), shift, heads_per_job,
               block_tables.numpy(), seq_lens.numpy(), scale, out.numpy())
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
     torch.testing.assert_close(outs[0].to(dtype), kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_threads, monkeypatch):
+    """With fewer decode sequences than threads a job per (sequence, kv head), so that no thread idles;
+    from one per thread on, a job per sequence; either way the reference's result."""
+    if kernels._decode_loops(torch.float32) is None:
+        pytest.skip("numba is not installed")
+    for num_seqs in (1, 2, 3, 4, 5):
+        args, _ = build(Case([(9 + 5 * i, 1) for i in range(num_seqs)], 4, 2, 2, 16, torch.float32, seed=num_seqs), "cpu")
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+        with monkeypatch.context() as m:  # the plan sees num_threads; the loops then run on the threads there are
+            m.setattr(kernels, "_loop_threads", lambda: num_threads)
+            plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 4, 2, torch.float32)
+        assert plan.decode[0].heads_per_job == (2 if num_seqs >= num_threads else 1)
+        torch.testing.assert_close(kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
