@@ -76,7 +76,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of GPU memory the weights, activations and KV pool may use
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
-    enable_prefix_caching: bool = True  # share full prompt blocks between requests with equal prefixes
+    enable_prefix_caching: bool = True  # share full KV blocks (prompt and output) between requests with equal prefixes
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
@@ -206,7 +206,7 @@ class Request:
 
     @property
     def forked(self):
-        # until its prompt is prefilled a request is one sequence; then it forks into its n samples
+        # it holds all n samples (at once when n == 1); until its prompt is prefilled it is one sequence, with n seats
         return len(self.seqs) == self.params.n
 
     def finished(self):
@@ -262,7 +262,8 @@ class BlockAllocator:
     chained sha256 key (parent's key, its token ids); a hit must also match the tokens and the parent
     block, so even a key collision never shares a block computed after another prefix. A freed block
     keeps its key until it is handed out again: the LRU free list doubles as the cache. Blocks are
-    freed tail first, so a child is evicted before its parent and the parent an entry names stays."""
+    freed tail first, so a child always precedes its parent in the free list: while a child's entry is
+    cached, the parent block it names still holds the parent's tokens."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -272,6 +273,7 @@ class BlockAllocator:
         self.cached = {}  # key -> block id
         self.num_filled = [0] * num_blocks  # token slots of each block holding K/V (kept while it sits cached in the free list)
         self.num_filled_slots = 0  # over the blocks in use, each counted once however many hold it: kept incrementally
+        # (num_filled and num_filled_slots are statistics for EngineStats: no scheduling decision reads them)
 
     @property
     def num_free_blocks(self):
@@ -331,9 +333,18 @@ class BlockAllocator:
         self.block_keys = [None] * self.num_blocks
 
     def register(self, block_id, key, parent_block, token_ids):
-        if key not in self.cached:  # the first full block with these tokens serves later lookups
-            self.cached[key] = block_id
-            self.block_keys[block_id] = (key, parent_block, tuple(token_ids))
+        """Cache a full block. Returns the block that holds these tokens from now on: an equal block
+        already cached (the same prefix computed in the same step by another request) takes this one's
+        place, and this one goes back to the pool, so that the blocks after it chain to the cached one."""
+        entry = (key, parent_block, tuple(token_ids))
+        same = self.cached.get(key)
+        if same is None:  # the first full block with these tokens serves later lookups
+            self.cached[key], self.block_keys[block_id] = block_id, entry
+        elif same != block_id and self.block_keys[same] == entry:
+            self.share(same)
+            self.free([block_id])
+            return same
+        return block_id
 
 
 # ---- Scheduler ----
@@ -362,9 +373,11 @@ class Scheduler:
     Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and
     preempted sequences go back to its front); running sequences are served every
     step (decodes first, each class oldest first), and when blocks run out the
-    newest admission is preempted, never an older one. One sequence alone always
-    fits the pool (checked at add time), so the oldest running sequence always makes
-    progress; every request has a finite length, so every request finishes."""
+    newest admission not yet scheduled in this step is preempted (so a newer decode
+    can outlast an older sequence in the middle of its prefill). One sequence alone
+    always fits the pool (checked at add time), so a preempted sequence runs again
+    once those ahead of it finish; every request has a finite length, so every
+    request finishes."""
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.config, self.allocator = config, allocator
@@ -387,7 +400,9 @@ class Scheduler:
 
     def _schedule_running(self, batch, budget):
         """Decodes first (one token each, so that running requests never stall behind a
-        long prompt), then the next chunk of each unfinished prefill. Returns the budget left."""
+        long prompt), then the next chunk of each unfinished prefill. Returns the budget left.
+        A running sequence always has at least one token not yet computed (its last sampled one):
+        a decode is one with exactly one left (the last token of a chunked prompt is one too)."""
         decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
@@ -524,10 +539,11 @@ class Scheduler:
             self._hash_full_blocks(seq, end)
             for i in range(before // bs, end // bs):
                 parent = seq.block_ids[i - 1] if i else None
-                allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+                seq.block_ids[i] = allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
 
     def fork(self, parent, num_children, make_seq):
-        """Samples 2..n of a request share every block of the prefilled prompt."""
+        """Samples 1..n-1 (or beams) of parent's request: make_seq builds each child with a copy of
+        parent's block table, and each of its blocks gets one more reference here."""
         children = []
         for index in range(1, num_children + 1):
             child = make_seq(parent, index)
@@ -557,7 +573,7 @@ class BatchMetadata:
     query_start_loc: torch.Tensor  # int32 (num_seqs + 1,): sequence i's tokens are rows [loc[i], loc[i+1])
     seq_lens: torch.Tensor  # int32 (num_seqs,): cached + new tokens of each sequence
     slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token's K/V
-    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): padded block tables
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): entries past a sequence's last block are stale ids, never read
     logits_indices: torch.Tensor  # int64 (num_sampled,): rows whose logits are needed
     attn_plan: object = None  # the CPU attention's per-step plan (kernels.plan_paged_attention), made in Model.forward
 
@@ -961,7 +977,7 @@ class LLM:
             self.tp.serve(self)  # hook (tp.py): ranks > 0 run the model on rank 0's steps, then exit
 
     def _set_max_model_len(self, hf_config, model_config):
-        """Runs on the model's config, before its weights load."""
+        """Sets self.max_model_len: load_model calls it on the model's config, before the weights load."""
         limit = model_config.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True):
@@ -1000,7 +1016,7 @@ class LLM:
         cfg, c = self.model_config, self.config
         torch.cuda.empty_cache()  # memory freed while loading is reserved by torch's allocator, not used
         free, total = torch.cuda.mem_get_info(self.device)
-        # activations of the largest step: a handful of (tokens, hidden / intermediate) tensors, plus fp32 logits
+        # activations of the largest step, fp32: a handful of (tokens, hidden / intermediate) tensors, ~4 copies of the logits rows
         activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
         return int(total * c.gpu_memory_utilization) - (total - free) - activations
 
@@ -1096,7 +1112,7 @@ class LLM:
             return self._collect_aborted()
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
-        input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch
+        input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch; seqs: those that sample
         if self.tp is not None:  # hook (tp.py): the other ranks' inputs
             self.tp.broadcast_step(batch.block_copies, input_ids, positions, meta)
         logits = self.model(input_ids, positions, self.layer_caches, meta)  # 4. (sampled + prompt-logprob rows, vocab)
@@ -1108,7 +1124,7 @@ class LLM:
         seqs, logits = self._fork_samples(seqs, logits)  # 6. n > 1: a prefilled prompt forks into its samples
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
         logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
-        raw = logits.clone() if sb.max_logprobs is not None else logits  # logprobs are the model's own, as vLLM's
+        raw = logits.clone() if sb.max_logprobs is not None else logits  # process_logits edits in place; logprobs are the model's own, as vLLM's
         token_ids = sample(process_logits(logits, seqs, self.eos_token_ids), sb, self.generator)  # 7. hook, then sample
         logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
         return outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 8. append, check stops, outputs
@@ -1146,6 +1162,7 @@ class LLM:
         seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
         starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
+        # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
         positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
         rows = self.block_tables.rows(batch.seqs)  # (num_seqs,)
         max_blocks = max(len(s.block_ids) for s in batch.seqs)

@@ -357,7 +357,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks = self.live.get(seq, [])
         key = BlockAllocator.hash_block(None, tokens)
         if blocks and self.allocator.block_keys[blocks[-1]] is None:  # a block is registered once, when it fills up
-            self.allocator.register(blocks[-1], key, None, tokens)
+            blocks[-1] = self.allocator.register(blocks[-1], key, None, tokens)  # or an equal cached block takes its place
         hit = self.allocator.share_cached(key, None, tokens)
         return self._new([hit] if hit is not None else [])
 
@@ -524,6 +524,22 @@ def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_h
         folder_llm.reset_prefix_cache()  # no colliding keys left behind for later tests
     assert [o.num_cached_tokens for o in outs] == [0, 0, 16]  # A's first block collides but its tokens differ: no hit
     assert outs[2].outputs[0].token_ids == hf_greedy(default_hf[0], b0 + x1 + tail, 8)
+
+
+def test_equal_prefixes_computed_in_one_step_chain_to_one_cached_copy(tiny_llm):
+    """Two prompts with a common prefix, prefilled in the same step: the second one's copy of the prefix
+    gives way to the first one's cached blocks, so the blocks after it are cached too and a third
+    request equal to the second prompt finds all but its last block in the cache; same greedy tokens."""
+    shared = list(range(300, 340))  # 2 full blocks of 16 and 8 tokens of a third
+    prompts = [shared + list(range(500, 530)), shared + list(range(700, 730))]  # 70 tokens each: 4 full blocks
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    alone = [tiny_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    tiny_llm.reset_prefix_cache()
+    together = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in together] == [0, 0] and [o.outputs[0].token_ids for o in together] == alone
+    again = tiny_llm.generate([prompts[1]], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == alone[1]
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
 def test_hash_block_is_a_sha256_chain():
@@ -1389,7 +1405,8 @@ def test_beam_groups_under_preemption(tiny_models, prefix_caching):
               SamplingParams(max_tokens=12, **GREEDY), BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
               SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
     roomy = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU).generate(prompts, params, use_tqdm=False)
-    small = LLM(model=folder, num_kv_blocks=22, block_size=8, enable_prefix_caching=prefix_caching, **CPU)  # one 4-beam group needs up to 20
+    # one 4-beam group needs up to 20 blocks: the smallest pool it fits (the two equal prompts share theirs)
+    small = LLM(model=folder, num_kv_blocks=20, block_size=8, enable_prefix_caching=prefix_caching, **CPU)
     preempted_groups, preempt = [], small.scheduler._preempt
 
     def spy(seq, batch):  # a beam group leaves as a whole: none of its beams stays running or in the batch
@@ -1474,7 +1491,7 @@ def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_tokenizer):
     to preempt and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
     folder = tp_odd_model if family == "odd" else tiny_models[family][0]
     prompts, params = tp_workload(default_tokenizer), SamplingParams(max_tokens=12, **GREEDY)
-    engine = dict(num_kv_blocks=16, block_size=8, **CPU)
+    engine = dict(num_kv_blocks=14, block_size=8, **CPU)  # the longest request needs 13
     one = LLM(model=folder, **engine)
     expected_logits = logits_spy(one)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
