@@ -1240,8 +1240,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order.
-        prompts: a string, a list of strings, or a list of token-id lists. (Requests queued
-        earlier with add_request run along, but their outputs are not returned here.)"""
+        prompts: a string, a token-id list, a {"prompt" / "prompt_token_ids"} dict, or a list of
+        them. (Requests queued earlier with add_request run along; their outputs are not returned here.)"""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts) if prompts is not None else []
