@@ -51,6 +51,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -577,6 +578,7 @@ class BatchMetadata:
     slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token's K/V
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): entries past a sequence's last block are stale ids, never read
     logits_indices: torch.Tensor  # int64 (num_sampled,): rows whose logits are needed
+    decode_only: bool = False  # every sequence brings one token and samples it: logits_indices is 0..num_seqs-1
     attn_plan: object = None  # the CPU attention's per-step plan (kernels.plan_paged_attention), made in Model.forward
 
 
@@ -1176,7 +1178,8 @@ class LLM:
             return t.to(self.device, non_blocking=True)
 
         meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
-                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)))
+                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
+                             decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
         return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
@@ -1519,8 +1522,12 @@ def scale_rope(inv_freq, s):
 #     at start-up, largest first, all in one memory pool; a batch is padded up to its bucket;
 #   - the inputs are copied into static buffers that the graphs read; the block tables are as wide
 #     as max_model_len allows, so the kernels' launch shapes never change;
-#   - a padding row decodes token 0 at position 0 against the first block, and writes no K/V (slot -1:
-#     store_kv skips it). Rows never mix outside attention, and its logits are cut off.
+#   - a padding row decodes a stale token against column 0 of a stale block-table row (always a valid
+#     block) and writes no K/V (slot -1: store_kv skips it). Rows never mix outside attention, and its
+#     logits are cut off;
+#   - every graph writes its logits into one shared buffer, so graph memory is one bucket's activations;
+#   - the block tables being wider than eagerly, split-KV may cut a decode's keys into other segments:
+#     the same sums in another order (fp32 agrees to rounding, bf16 to its logits' last bit).
 # Off with enforce_eager=True (--enforce-eager), on a CPU and under tensor parallelism (NCCL calls).
 
 
@@ -1530,9 +1537,10 @@ def graph_batch_sizes(max_num_seqs):
 
 
 def capture_graph(run, pool):
-    """run() captured into a CUDA graph in pool: (graph, its static output)."""
+    """run() captured into a CUDA graph in pool: (graph, its static output). Called under the engine's
+    device; the capture stream is made there too (torch's default one lives on the first device used)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream()):
         out = run()
     return graph, out
 
@@ -1541,24 +1549,35 @@ def capture_cuda_graphs(llm, force=False):
     """{batch size: (graph, static inputs and metadata, static logits)} for llm's decode steps, or None where graphs
     are off. force: capture on any device (tests swap capture_graph for an eager stand-in on a CPU)."""
     c = llm.config
-    if not force and (c.enforce_eager or llm.device.type != "cuda" or llm.tp is not None):
+    if not force and (c.enforce_eager or llm.device.type != "cuda" or llm.tp is not None or not kernels._use_triton(llm.kv_pool)):
+        return None  # (the torch references sync the host in every call: they cannot be captured)
+    try:
+        with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+            return _capture_buckets(llm)
+    except RuntimeError as e:  # e.g. out of memory: the engine still runs, eagerly
+        warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); every step runs eagerly")
         return None
-    start, n, dev = time.perf_counter(), c.max_num_seqs, llm.device
+
+
+def _capture_buckets(llm):
+    start, n, dev = time.perf_counter(), llm.config.max_num_seqs, llm.device
     buffers = dict(input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.zeros(n, dtype=torch.int64, device=dev),
                    slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev), seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
                    block_tables=torch.zeros(n, llm.block_tables.table.shape[1], dtype=torch.int32, device=dev))
     query_start_loc, rows = torch.arange(n + 1, dtype=torch.int32, device=dev), torch.arange(n, dtype=torch.int64, device=dev)
+    logits = torch.empty(n, llm.model.lm_head.out_features, dtype=llm.config.torch_dtype, device=dev)  # every graph's output
     graphs, pool = {}, None
     for b in reversed(graph_batch_sizes(n)):
         static = {k: v[:b] for k, v in buffers.items()}
         meta = BatchMetadata(query_start_loc=query_start_loc[: b + 1], seq_lens=static["seq_lens"], slot_mapping=static["slot_mapping"],
                              block_tables=static["block_tables"], logits_indices=rows[:b])
         static["meta"] = meta  # a graph reads its inputs at replay from the addresses it saw: they must outlive it
-        run = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
+        model = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
+        run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731 (one logits buffer for all: not one per graph)
         run()  # eager once first: Triton compiles its kernels for these shapes outside the capture
-        graph, logits = capture_graph(run, pool)
+        graph, out = capture_graph(run, pool)
         pool = graph.pool()
-        graphs[b] = (graph, static, logits)
+        graphs[b] = (graph, static, out)
     llm.stats.graph_capture_seconds = time.perf_counter() - start
     return graphs
 
@@ -1566,7 +1585,7 @@ def capture_cuda_graphs(llm, force=False):
 def run_model(llm, input_ids, positions, meta):
     """The model over one step's batch: a decode-only step replays its bucket's graph, any other runs eagerly."""
     num_seqs = meta.seq_lens.shape[0]
-    if llm.cuda_graphs is None or input_ids.shape[0] != num_seqs or meta.logits_indices.shape[0] != num_seqs or num_seqs > llm.config.max_num_seqs:
+    if llm.cuda_graphs is None or not meta.decode_only or num_seqs > max(llm.cuda_graphs):
         return llm.model(input_ids, positions, llm.layer_caches, meta)
     bucket = min(b for b in llm.cuda_graphs if b >= num_seqs)
     graph, static, logits = llm.cuda_graphs[bucket]
@@ -1578,7 +1597,8 @@ def run_model(llm, input_ids, positions, meta):
     static["seq_lens"][:num_seqs].copy_(meta.seq_lens)
     static["seq_lens"][num_seqs:].fill_(1)
     static["block_tables"][:num_seqs, :width].copy_(meta.block_tables)
-    graph.replay()
+    with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+        graph.replay()
     return logits[:num_seqs]
 
 

@@ -2410,7 +2410,9 @@ def check_graphs_equal_eager(llm):
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (5, 16, 17, 40, 3, 64, 9, 100, 33, 2, 70, 12, 48, 7, 31, 80, 20)]
     params = [SamplingParams(max_tokens=6 + 2 * i, logprobs=2, **GREEDY) for i in range(len(prompts))]  # the batch shrinks step by step
+    params[3] = SamplingParams(n=2, max_tokens=12, logprobs=2, **GREEDY)  # forks: two samples on the prompt's shared blocks
     with_graphs = llm.generate(prompts, params, use_tqdm=False)
+    llm.reset_prefix_cache()  # the eager run prefills as the first did
     graphs, llm.cuda_graphs = llm.cuda_graphs, None
     try:
         eager = llm.generate(prompts, params, use_tqdm=False)
@@ -2421,10 +2423,11 @@ def check_graphs_equal_eager(llm):
     # segments than eagerly (the same sums in another order): fp32 agrees to rounding, bf16 to its logits' ulp
     tol = 1e-4 if llm.config.torch_dtype == torch.float32 else 0.25
     for g, e in zip(with_graphs, eager):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
         for token_id, a, b in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, e.outputs[0].logprobs):
             assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=tol)
             assert tol > 1e-4 or a.keys() == b.keys()  # (bf16: the runner-up may tie)
+    llm.reset_prefix_cache()
     beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
     assert [[s.tokens for s in o.sequences] for o in beams] == [[s.tokens for s in o.sequences] for o in eager_beams]
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
@@ -2462,7 +2465,11 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
 def test_cuda_graphs_equal_eager(tiny_models, family, dtype):
     llm = LLM(model=tiny_models[family][0], device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, max_num_seqs=20)
     assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 16, 20] and llm.stats.graph_capture_seconds > 0
+    replayed = []
+    for b, (graph, _, _) in llm.cuda_graphs.items():
+        graph.replay = functools.partial(lambda b, replay: replayed.append(b) or replay(), b, graph.replay)
     check_graphs_equal_eager(llm)
+    assert {1, 2, 4, 8, 16, 20} <= set(replayed), "decode steps of every bucket replayed"
     assert LLM(model=tiny_models[family][0], device="cuda", num_kv_blocks=16, enforce_eager=True).cuda_graphs is None
 
 
