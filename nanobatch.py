@@ -38,6 +38,7 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
+import contextlib
 import dataclasses
 import functools
 import gc
