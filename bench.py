@@ -6,6 +6,7 @@ number of output tokens for each request (greedy, EOS ignored), so output
 tokens per second compare like with like:
 
     nanobatch                   continuous batching over the paged KV cache: one llm.generate over all requests
+    nanobatch-eager             nanobatch without its CUDA graphs (enforce_eager=True; on a CPU the same as nanobatch)
     nanobatch-sampled           the same requests sampled with the seed quick-start's temperature=0.8, top_p=0.95
                                 (same output lengths: what sampling costs next to greedy)
     nanobatch-static            static batching through the same engine and model: consecutive batches of
@@ -46,7 +47,8 @@ loaded model: see PeakMemory), and for the systems that report per-request times
 nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
 the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
 actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
-prepare inputs, sample, append and detokenize), measured by timing llm.model.forward (synchronised on a GPU),
+prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model (the model forward, or on a GPU
+its CUDA graph's replay; synchronised there),
 with its share of the step; inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and
 the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and max_num_seqs, the bytes one decode step must read
 (weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
@@ -115,7 +117,7 @@ from nanobatch import LLM, BeamSearchParams, EngineConfig, EngineStats, Sampling
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam", "vllm"]
+SYSTEMS = ["nanobatch", "nanobatch-eager", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam", "vllm"]
 DEFAULT_SYSTEMS = {
     "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch", "vllm"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
@@ -398,8 +400,8 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
 
 
 class ForwardTimer:
-    """Adds up the seconds an engine spends in its model forward by wrapping llm.model.forward (an instance
-    attribute, which nn.Module.__call__ finds first); everything else in LLM.step is the host's work. On a
+    """Adds up the seconds an engine spends in its model forward by wrapping nanobatch.run_model (the step's
+    call of the model: eager, or a CUDA graph's replay); everything else in LLM.step is the host's work. On a
     GPU it synchronises after each forward so that the GPU's work is counted here, not in the host's share
     (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap).
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
@@ -411,16 +413,8 @@ class ForwardTimer:
     def __init__(self, llm):
         self.seconds, self.sample_seconds = 0.0, 0.0
         self.decode_steps, self.decode_seconds, self.decode_attention_seconds = 0, 0.0, 0.0
-        forward, step, device = llm.model.forward, llm.step, llm.device
-        is_decode = [False]
-
-        def timed_forward(input_ids, positions, kv_caches, meta):
-            is_decode[0] = len(input_ids) == len(meta.seq_lens)
-            start = time.perf_counter()
-            out = forward(input_ids, positions, kv_caches, meta)
-            synchronize(device)
-            self.seconds += time.perf_counter() - start
-            return out
+        step, device = llm.step, llm.device
+        is_decode = self.is_decode = [False]
 
         def timed_step():
             is_decode[0], attention_before, start = False, ATTENTION_SECONDS[0], time.perf_counter()
@@ -431,7 +425,9 @@ class ForwardTimer:
                 self.decode_attention_seconds += ATTENTION_SECONDS[0] - attention_before
             return out
 
-        llm.model.forward, llm.step = timed_forward, timed_step
+        llm.step = timed_step
+        if not getattr(nanobatch.run_model, "bench_timed", False):  # once per process; each engine's seconds go to its own timer
+            nanobatch.run_model = timed_run_model(nanobatch.run_model)
         for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
             wrap_timed(kernels, name, add_attention_seconds)
         wrap_timed(nanobatch, "sample", add_sample_seconds, sync=True)  # what LLM.step calls to sample
@@ -447,6 +443,22 @@ class ForwardTimer:
             return None
         step_s, attention_s = self.decode_seconds / self.decode_steps, self.decode_attention_seconds / self.decode_steps
         return {"decode_steps": self.decode_steps, "step_ms": step_s * 1e3, "attention_ms": attention_s * 1e3, "attention_share": attention_s / step_s}
+
+
+def timed_run_model(run_model):
+    def timed(llm, input_ids, positions, meta):
+        timer = getattr(llm, "forward_timer", None)
+        if timer is None:
+            return run_model(llm, input_ids, positions, meta)
+        timer.is_decode[0] = len(input_ids) == len(meta.seq_lens)
+        start = time.perf_counter()
+        out = run_model(llm, input_ids, positions, meta)
+        synchronize(llm.device)
+        timer.seconds += time.perf_counter() - start
+        return out
+
+    timed.bench_timed = True
+    return timed
 
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
@@ -580,6 +592,15 @@ def run_nanobatch(llm, workload, prefix_caching=True, params=greedy) -> Run:
     outputs = llm.generate(workload.prompts, [params(n) for n in workload.output_lens], use_tqdm=False)
     seconds = time.perf_counter() - start
     return engine_run(llm, outputs, seconds, start)
+
+
+def run_nanobatch_eager(llm, workload) -> Run:
+    """nanobatch with its CUDA graphs set aside: every step eager, as enforce_eager=True runs."""
+    graphs, llm.cuda_graphs = llm.cuda_graphs, None
+    try:
+        return run_nanobatch(llm, workload)
+    finally:
+        llm.cuda_graphs = graphs
 
 
 def run_nanobatch_static(llm, workload) -> Run:
@@ -1309,7 +1330,8 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     llm = load_nanobatch(model_path, args)
     extra["load_seconds"] = time.perf_counter() - start  # LLM(...): config, tokenizer, weights, KV pool (what a user waits for first)
     workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size, args.beam_width)
-    details = [f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"]
+    details = [f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"
+               + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes)" if llm.cuda_graphs else "")]
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
         run_structured(llm, workload, warmup, device, results, runs, details)
@@ -1320,6 +1342,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         "nanobatch-static": lambda wl: run_nanobatch_static(llm, wl),
         "nanobatch-no-prefix-cache": lambda wl: run_nanobatch(llm, wl, prefix_caching=False),
         "nanobatch-beam": lambda wl: run_nanobatch_beam(llm, wl),
+        "nanobatch-eager": lambda wl: run_nanobatch_eager(llm, wl),
     }
     for name in [s for s in args.systems if s in runners]:
         result, run = measure(name, runners[name], workload, warmup, device)

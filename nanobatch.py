@@ -38,7 +38,9 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
+import contextlib
 import dataclasses
+import functools
 import gc
 import glob
 import hashlib
@@ -50,6 +52,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -81,6 +84,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     seed: int = 0  # seeds requests that have no seed of their own
     tensor_parallel_size: int = 1  # ranks that split each layer (Megatron); >1 spawns ranks 1..N-1, or runs under torchrun
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs the model eagerly (vLLM's name)
 
     def __post_init__(self):
         check_engine_config(self)  # clear errors for bad numbers (Part II: Validation)
@@ -575,6 +579,7 @@ class BatchMetadata:
     slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token's K/V
     block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): entries past a sequence's last block are stale ids, never read
     logits_indices: torch.Tensor  # int64 (num_sampled,): rows whose logits are needed
+    decode_only: bool = False  # every sequence brings one token and samples it: logits_indices is 0..num_seqs-1
     attn_plan: object = None  # the CPU attention's per-step plan (kernels.plan_paged_attention), made in Model.forward
 
 
@@ -972,6 +977,7 @@ class LLM:
         self.request_counter, self.seq_counter = itertools.count(), itertools.count()
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
         if self.tp is not None and self.tp.rank > 0:
             self.tp.serve(self)  # hook (tp.py): ranks > 0 run the model on rank 0's steps, then exit
@@ -1115,7 +1121,7 @@ class LLM:
         input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch; seqs: those that sample
         if self.tp is not None:  # hook (tp.py): the other ranks' inputs
             self.tp.broadcast_step(batch.block_copies, input_ids, positions, meta)
-        logits = self.model(input_ids, positions, self.layer_caches, meta)  # 4. (sampled + prompt-logprob rows, vocab)
+        logits = run_model(self, input_ids, positions, meta)  # 4. hook (CUDA graphs): (sampled + prompt-logprob rows, vocab)
         self.scheduler.mark_computed(batch)  # 5. the new K/V are cached: full blocks become shareable
         if prompt_spans:  # hook (Logprobs): the prompt positions' rows
             record_prompt_logprobs(self, logits[len(seqs) :], prompt_spans)
@@ -1173,7 +1179,8 @@ class LLM:
             return t.to(self.device, non_blocking=True)
 
         meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
-                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)))
+                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
+                             decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
         return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
@@ -1330,6 +1337,7 @@ def check_engine_config(c: EngineConfig):
         ("kv_cache_memory_bytes", positive_or_none, "must be a positive integer or None"),
         ("gpu_memory_utilization", lambda v: _num(v) and 0 < v <= 1, "must be in (0, 1]"),
         ("tensor_parallel_size", lambda v: _int(v) and v >= 1, "must be a positive integer"),
+        ("enforce_eager", lambda v: isinstance(v, bool), "must be True or False"),
         ("dtype", lambda v: v == "auto" or v in DTYPES, f"must be 'auto' or one of {sorted(DTYPES)}"),
     ])
     if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
@@ -1505,6 +1513,96 @@ def scale_rope(inv_freq, s):
     return torch.where(medium, smoothed, scaled)
 
 
+# ---- CUDA graphs: a decode step replayed, not launched op by op ----
+# Eager decode on a GPU is bound by the host: a layer is ~40 small kernels, each launched from Python,
+# so a step costs the same at batch 1 as at 64 (a 0.6B model: ~1 ms a layer). A CUDA graph records
+# a step's kernels once and replays them with one call. Graphs fix every shape and address, so:
+#   - only decode-only steps replay (one new token per sequence, no prompt-logprob rows); prefill
+#     and mixed steps, whose shapes vary, stay eager;
+#   - one graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to max_num_seqs), captured
+#     at start-up, largest first, all in one memory pool; a batch is padded up to its bucket;
+#   - the inputs are copied into static buffers that the graphs read; the block tables are as wide
+#     as max_model_len allows, so the kernels' launch shapes never change;
+#   - a padding row decodes a stale token against column 0 of a stale block-table row (always a valid
+#     block) and writes no K/V (slot -1: store_kv skips it). Rows never mix outside attention, and its
+#     logits are cut off;
+#   - every graph writes its logits into one shared buffer, so graph memory is one bucket's activations;
+#   - the block tables being wider than eagerly, split-KV may cut a decode's keys into other segments:
+#     the same sums in another order (fp32 agrees to rounding, bf16 to its logits' last bit).
+# Off with enforce_eager=True (--enforce-eager), on a CPU and under tensor parallelism (NCCL calls).
+
+
+def graph_batch_sizes(max_num_seqs):
+    sizes = [b for b in (1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)) if b < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+def capture_graph(run, pool):
+    """run() captured into a CUDA graph in pool: (graph, its static output). Called under the engine's
+    device; the capture stream is made there too (torch's default one lives on the first device used)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream()):
+        out = run()
+    return graph, out
+
+
+def capture_cuda_graphs(llm, force=False):
+    """{batch size: (graph, static inputs and metadata, static logits)} for llm's decode steps, or None where graphs
+    are off. force: capture on any device (tests swap capture_graph for an eager stand-in on a CPU)."""
+    c = llm.config
+    if not force and (c.enforce_eager or llm.device.type != "cuda" or llm.tp is not None or not kernels._use_triton(llm.kv_pool)):
+        return None  # (the torch references sync the host in every call: they cannot be captured)
+    try:
+        with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+            return _capture_buckets(llm)
+    except RuntimeError as e:  # e.g. out of memory: the engine still runs, eagerly
+        warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); every step runs eagerly")
+        return None
+
+
+def _capture_buckets(llm):
+    start, n, dev = time.perf_counter(), llm.config.max_num_seqs, llm.device
+    buffers = dict(input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.zeros(n, dtype=torch.int64, device=dev),
+                   slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev), seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+                   block_tables=torch.zeros(n, llm.block_tables.table.shape[1], dtype=torch.int32, device=dev))
+    query_start_loc, rows = torch.arange(n + 1, dtype=torch.int32, device=dev), torch.arange(n, dtype=torch.int64, device=dev)
+    logits = torch.empty(n, llm.model.lm_head.out_features, dtype=llm.config.torch_dtype, device=dev)  # every graph's output
+    graphs, pool = {}, None
+    for b in reversed(graph_batch_sizes(n)):
+        static = {k: v[:b] for k, v in buffers.items()}
+        meta = BatchMetadata(query_start_loc=query_start_loc[: b + 1], seq_lens=static["seq_lens"], slot_mapping=static["slot_mapping"],
+                             block_tables=static["block_tables"], logits_indices=rows[:b])
+        static["meta"] = meta  # a graph reads its inputs at replay from the addresses it saw: they must outlive it
+        model = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
+        run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731 (one logits buffer for all: not one per graph)
+        run()  # eager once first: Triton compiles its kernels for these shapes outside the capture
+        graph, out = capture_graph(run, pool)
+        pool = graph.pool()
+        graphs[b] = (graph, static, out)
+    llm.stats.graph_capture_seconds = time.perf_counter() - start
+    return graphs
+
+
+def run_model(llm, input_ids, positions, meta):
+    """The model over one step's batch: a decode-only step replays its bucket's graph, any other runs eagerly."""
+    num_seqs = meta.seq_lens.shape[0]
+    if llm.cuda_graphs is None or not meta.decode_only or num_seqs > max(llm.cuda_graphs):
+        return llm.model(input_ids, positions, llm.layer_caches, meta)
+    bucket = min(b for b in llm.cuda_graphs if b >= num_seqs)
+    graph, static, logits = llm.cuda_graphs[bucket]
+    width = meta.block_tables.shape[1]
+    static["input_ids"][:num_seqs].copy_(input_ids)
+    static["positions"][:num_seqs].copy_(positions)
+    static["slot_mapping"][:num_seqs].copy_(meta.slot_mapping)
+    static["slot_mapping"][num_seqs:].fill_(-1)  # padding rows write no K/V
+    static["seq_lens"][:num_seqs].copy_(meta.seq_lens)
+    static["seq_lens"][num_seqs:].fill_(1)
+    static["block_tables"][:num_seqs, :width].copy_(meta.block_tables)
+    with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+        graph.replay()
+    return logits[:num_seqs]
+
+
 # ---- Stats, and host-speed habits ----
 
 
@@ -1516,6 +1614,7 @@ class EngineStats:
     num_step_tokens: int = 0  # tokens computed in the last step (prefill chunks and decodes)
     peak_blocks_in_use: int = 0
     kv_utilization_at_peak: float = 0.0  # token slots filled / token slots of the blocks in use, at the peak (PagedAttention's measure)
+    graph_capture_seconds: float = 0.0  # start-up time spent capturing the CUDA graphs (CUDA graphs)
 
 
 def record_stats(llm, batch):
@@ -2169,6 +2268,7 @@ def build_arg_parser():
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA and on CPUs with AMX or AMD AVX512-BF16, else float32")
     g.add_argument("--device", default=EngineConfig.device, help="auto: cuda if available")
+    g.add_argument("--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps")
     g.add_argument("--tensor-parallel-size", type=int, default=e.tensor_parallel_size, help="ranks that split each layer: spawned here, or the ranks torchrun starts")
     g = p.add_argument_group("server")  # defaults: server.ServerConfig's, written out (server.py loads only for --serve)
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
@@ -2204,6 +2304,7 @@ def run_cli(args):
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
     )
     if args.serve:
         return server.serve(llm, server.ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive))

@@ -2403,6 +2403,76 @@ def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
         assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
 
 
+def check_graphs_equal_eager(llm):
+    """Greedy tokens and logprobs with llm's CUDA graphs equal those of the same engine run eagerly:
+    batch sizes on and between the buckets, prompts that end mid-block and on a block's edge, a
+    preemption-free pool, a beam group and n > 1 forks (their decode steps replay too)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (5, 16, 17, 40, 3, 64, 9, 100, 33, 2, 70, 12, 48, 7, 31, 80, 20)]
+    params = [SamplingParams(max_tokens=6 + 2 * i, logprobs=2, **GREEDY) for i in range(len(prompts))]  # the batch shrinks step by step
+    params[3] = SamplingParams(n=2, max_tokens=12, logprobs=2, **GREEDY)  # forks: two samples on the prompt's shared blocks
+    with_graphs = llm.generate(prompts, params, use_tqdm=False)
+    llm.reset_prefix_cache()  # the eager run prefills as the first did
+    graphs, llm.cuda_graphs = llm.cuda_graphs, None
+    try:
+        eager = llm.generate(prompts, params, use_tqdm=False)
+        eager_beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.cuda_graphs = graphs
+    # the graphs' block tables are max_model_len wide, so split-KV may cut a decode's keys into other
+    # segments than eagerly (the same sums in another order): fp32 agrees to rounding, bf16 to its logits' ulp
+    tol = 1e-4 if llm.config.torch_dtype == torch.float32 else 0.25
+    for g, e in zip(with_graphs, eager):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
+        for token_id, a, b in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, e.outputs[0].logprobs):
+            assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=tol)
+            assert tol > 1e-4 or a.keys() == b.keys()  # (bf16: the runner-up may tie)
+    llm.reset_prefix_cache()
+    beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    assert [[s.tokens for s in o.sequences] for o in beams] == [[s.tokens for s in o.sequences] for o in eager_beams]
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+def test_graph_buckets_pad_up_to_max_num_seqs():
+    assert nanobatch.graph_batch_sizes(1) == [1] and nanobatch.graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert nanobatch.graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert nanobatch.graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        EngineConfig(enforce_eager="yes")
+
+
+def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
+    """The CUDA-graph path's static buffers, padding rows and buckets, on a CPU: each "graph" is an eager
+    stand-in that reruns the model over what the graph's entry holds (and only that: a real graph
+    reads freed memory if its inputs die with the capture), so what the padding rows and the buffer
+    copies do is checked against the eager engine (on a GPU, test_cuda_graphs_equal_eager)."""
+    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=128, block_size=8, max_num_seqs=12, **CPU)
+    assert llm.cuda_graphs is None  # no graphs on a CPU
+    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool: (types.SimpleNamespace(pool=lambda: None), run()))
+    llm.cuda_graphs = nanobatch.capture_cuda_graphs(llm, force=True)
+    assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 12]
+    replayed = []
+    for b, (graph, static, logits) in llm.cuda_graphs.items():
+        model_call = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"])
+        graph.replay = lambda b=b, model_call=model_call, logits=logits: replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+    check_graphs_equal_eager(llm)
+    assert {1, 2, 4, 8, 12} <= set(replayed), "decode steps of every bucket replayed"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qk-norm"])
+def test_cuda_graphs_equal_eager(tiny_models, family, dtype):
+    llm = LLM(model=tiny_models[family][0], device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, max_num_seqs=20)
+    assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 16, 20] and llm.stats.graph_capture_seconds > 0
+    replayed = []
+    for b, (graph, _, _) in llm.cuda_graphs.items():
+        graph.replay = functools.partial(lambda b, replay: replayed.append(b) or replay(), b, graph.replay)
+    check_graphs_equal_eager(llm)
+    assert {1, 2, 4, 8, 16, 20} <= set(replayed), "decode steps of every bucket replayed"
+    assert LLM(model=tiny_models[family][0], device="cuda", num_kv_blocks=16, enforce_eager=True).cuda_graphs is None
+
+
 # ---- Server: HTTP endpoints on a loopback port ----
 
 # -- Fixture, helpers and plain endpoints --
