@@ -1017,14 +1017,15 @@ class LLM:
         return kv_pool, num_blocks
 
     def _kv_cache_budget(self):
+        """On CUDA, as vLLM sizes it: gpu_memory_utilization of the GPU, less what stays in use after a
+        profile run (weights, the CUDA context with the kernels it loaded, cuBLAS workspaces) and what
+        the largest steps need on top (their activations, the CUDA graphs' memory)."""
         if self.device.type == "cpu":
             return CPU_KV_CACHE_BYTES
-        cfg, c = self.model_config, self.config
-        torch.cuda.empty_cache()  # memory freed while loading is reserved by torch's allocator, not used
+        peak = profile_run(self)  # hook (GPU memory)
+        torch.cuda.empty_cache()  # memory freed while loading and profiling is reserved by torch's allocator, not used
         free, total = torch.cuda.mem_get_info(self.device)
-        # activations of the largest step, fp32: a handful of (tokens, hidden / intermediate) tensors, ~4 copies of the logits rows
-        activations = c.max_num_batched_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + c.max_num_seqs * cfg.vocab_size * 4 * 4
-        return int(total * c.gpu_memory_utilization) - (total - free) - activations
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - peak
 
     # -- requests in --
 
@@ -1513,6 +1514,48 @@ def scale_rope(inv_freq, s):
     return torch.where(medium, smoothed, scaled)
 
 
+# ---- GPU memory: a profile run sizes the KV pool ----
+# The KV pool takes what is left of gpu_memory_utilization, so what else the engine will need must be
+# known first. Estimating it from the shapes misses the CUDA context's growth as kernels load on first
+# use, cuBLAS workspaces and the allocator's rounding (a few hundred MB on an H100). vLLM measures
+# instead: before the pool exists, it runs the largest step on dummy inputs and reads the peak.
+
+
+def profile_run(llm):
+    """Bytes the largest steps allocate beyond what stays in use: a prefill of max_num_batched_tokens
+    tokens that samples max_num_seqs rows (with the sampler's fp32 copies of those rows), and, where
+    CUDA graphs will be captured, what they hold for good: a decode of max_num_seqs rows over
+    max_model_len-wide block tables, and their shared logits buffer. Dummy inputs over a one-block
+    cache: every block-table entry is block 0, and slot -1 writes nothing."""
+    c, cfg, dev = llm.config, llm.model.cfg, llm.device  # cfg: this rank's shard under tensor parallelism
+    kv = torch.zeros(2, cfg.num_layers, 1, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=dev)
+    caches = [(kv[0, i], kv[1, i]) for i in range(cfg.num_layers)]
+    width = -(-llm.max_model_len // c.block_size)  # block-table columns a sequence can have
+
+    def peak_of(lens, num_rows):  # one step over sequences of these lengths, num_rows of them sampled
+        starts = [0, *itertools.accumulate(lens)]
+        meta = BatchMetadata(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                             slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+                             block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=dev), logits_indices=torch.arange(num_rows, device=dev))
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        logits = llm.model(torch.zeros(starts[-1], dtype=torch.int64, device=dev), positions, caches, meta)
+        if logits is not None:  # (None on tensor-parallel ranks > 0: rank 0 samples)
+            x = logits.float()  # the sampler's work: an fp32 copy, the raw rows kept for logprobs, a softmax, logprobs
+            compute_logprobs(x.clone(), torch.softmax(x, dim=-1).argmax(dim=-1), 20)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+
+    longest = min(llm.max_model_len, c.max_num_batched_tokens)
+    lens = [min(longest, c.max_num_batched_tokens - s) for s in range(0, c.max_num_batched_tokens, longest)]
+    peak = peak_of(lens, c.max_num_seqs)
+    if graphs_wanted(llm):
+        peak += peak_of([1] * c.max_num_seqs, c.max_num_seqs) + c.max_num_seqs * cfg.vocab_size * c.torch_dtype.itemsize
+    return peak
+
+
 # ---- CUDA graphs: a decode step replayed, not launched op by op ----
 # Eager decode on a GPU is bound by the host: a layer is ~40 small kernels, each launched from Python,
 # so a step costs the same at batch 1 as at 64 (a 0.6B model: ~1 ms a layer). A CUDA graph records
@@ -1537,6 +1580,13 @@ def graph_batch_sizes(max_num_seqs):
     return sizes + [max_num_seqs]
 
 
+def graphs_wanted(llm):
+    """Graphs on CUDA through Triton (the torch references sync the host in every call: they cannot be
+    captured), without tensor parallelism (NCCL calls), unless enforce_eager."""
+    c = llm.config
+    return not c.enforce_eager and llm.device.type == "cuda" and llm.tp is None and kernels._use_triton(torch.empty(0, device=llm.device))
+
+
 def capture_graph(run, pool):
     """run() captured into a CUDA graph in pool: (graph, its static output). Called under the engine's
     device; the capture stream is made there too (torch's default one lives on the first device used)."""
@@ -1549,9 +1599,8 @@ def capture_graph(run, pool):
 def capture_cuda_graphs(llm, force=False):
     """{batch size: (graph, static inputs and metadata, static logits)} for llm's decode steps, or None where graphs
     are off. force: capture on any device (tests swap capture_graph for an eager stand-in on a CPU)."""
-    c = llm.config
-    if not force and (c.enforce_eager or llm.device.type != "cuda" or llm.tp is not None or not kernels._use_triton(llm.kv_pool)):
-        return None  # (the torch references sync the host in every call: they cannot be captured)
+    if not force and not graphs_wanted(llm):
+        return None
     try:
         with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
             return _capture_buckets(llm)
