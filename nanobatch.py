@@ -1517,32 +1517,34 @@ def scale_rope(inv_freq, s):
 # ---- GPU memory: a profile run sizes the KV pool ----
 # The KV pool takes what is left of gpu_memory_utilization, so what else the engine will need must be
 # known first. Estimating it from the shapes misses the CUDA context's growth as kernels load on first
-# use, cuBLAS workspaces and the allocator's rounding (a few hundred MB on an H100). vLLM measures
-# instead: before the pool exists, it runs the largest step on dummy inputs and reads the peak.
+# use, cuBLAS workspaces and the allocator's rounding. vLLM measures instead: before the pool exists,
+# it runs the largest step on dummy inputs and reads the peak. Not profiled: prompt logprobs, whose
+# logits rows can be every prompt token of a step (max_num_batched_tokens x vocab in fp32).
 
 
 def profile_run(llm):
-    """Bytes the largest steps allocate beyond what stays in use: a prefill of max_num_batched_tokens
-    tokens that samples max_num_seqs rows (with the sampler's fp32 copies of those rows), and, where
-    CUDA graphs will be captured, what they hold for good: a decode of max_num_seqs rows over
-    max_model_len-wide block tables, and their shared logits buffer. Dummy inputs over a one-block
-    cache: every block-table entry is block 0, and slot -1 writes nothing."""
+    """Bytes the largest steps allocate beyond what stays in use: a prefill chunk of max_num_batched_tokens
+    tokens at the end of a max_model_len context that samples max_num_seqs rows (with the sampler's fp32
+    copies of those rows), and, where CUDA graphs will be captured, what they hold for good: a decode of
+    max_num_seqs rows over max_model_len-wide block tables, on the stream they are captured on (its
+    cuBLAS workspace is made here, outside the capture), and their shared logits buffer. Dummy inputs
+    over a one-block cache: every block-table entry is block 0, and slot -1 writes nothing."""
     c, cfg, dev = llm.config, llm.model.cfg, llm.device  # cfg: this rank's shard under tensor parallelism
     kv = torch.zeros(2, cfg.num_layers, 1, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=dev)
     caches = [(kv[0, i], kv[1, i]) for i in range(cfg.num_layers)]
     width = -(-llm.max_model_len // c.block_size)  # block-table columns a sequence can have
 
-    def peak_of(lens, num_rows):  # one step over sequences of these lengths, num_rows of them sampled
+    def peak_of(lens, seq_len, num_rows, sample):  # one step: chunks of these lengths ending at seq_len, num_rows sampled
         starts = [0, *itertools.accumulate(lens)]
-        meta = BatchMetadata(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev), seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        meta = BatchMetadata(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev), seq_lens=torch.full((len(lens),), seq_len, dtype=torch.int32, device=dev),
                              slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
                              block_tables=torch.zeros(len(lens), width, dtype=torch.int32, device=dev), logits_indices=torch.arange(num_rows, device=dev))
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        positions = torch.cat([torch.arange(seq_len - n, seq_len) for n in lens]).to(dev)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         logits = llm.model(torch.zeros(starts[-1], dtype=torch.int64, device=dev), positions, caches, meta)
-        if logits is not None:  # (None on tensor-parallel ranks > 0: rank 0 samples)
+        if sample and logits is not None:  # (None on tensor-parallel ranks > 0: rank 0 samples)
             x = logits.float()  # the sampler's work: an fp32 copy, the raw rows kept for logprobs, a softmax, logprobs
             compute_logprobs(x.clone(), torch.softmax(x, dim=-1).argmax(dim=-1), 20)
         torch.cuda.synchronize(dev)
@@ -1550,20 +1552,22 @@ def profile_run(llm):
 
     longest = min(llm.max_model_len, c.max_num_batched_tokens)
     lens = [min(longest, c.max_num_batched_tokens - s) for s in range(0, c.max_num_batched_tokens, longest)]
-    peak = peak_of(lens, c.max_num_seqs)
-    if graphs_wanted(llm):
-        peak += peak_of([1] * c.max_num_seqs, c.max_num_seqs) + c.max_num_seqs * cfg.vocab_size * c.torch_dtype.itemsize
+    peak = peak_of(lens, llm.max_model_len, c.max_num_seqs, sample=True)
+    if graphs_wanted(llm):  # (the graphs' steps sample eagerly, within the peak above)
+        with torch.cuda.stream(capture_stream(dev)):
+            peak += peak_of([1] * c.max_num_seqs, 1, c.max_num_seqs, sample=False) + c.max_num_seqs * cfg.vocab_size * c.torch_dtype.itemsize
     return peak
 
 
 # ---- CUDA graphs: a decode step replayed, not launched op by op ----
-# Eager decode on a GPU is bound by the host: a layer is ~40 small kernels, each launched from Python,
+# Eager decode on a GPU is bound by the host: a layer is ~55 small kernels, each launched from Python,
 # so a step costs the same at batch 1 as at 64 (a 0.6B model: ~1 ms a layer). A CUDA graph records
 # a step's kernels once and replays them with one call. Graphs fix every shape and address, so:
 #   - only decode-only steps replay (one new token per sequence, no prompt-logprob rows); prefill
 #     and mixed steps, whose shapes vary, stay eager;
 #   - one graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to max_num_seqs), captured
-#     at start-up, largest first, all in one memory pool; a batch is padded up to its bucket;
+#     at start-up, largest first, all in one memory pool and on one stream; a batch is padded up to
+#     its bucket;
 #   - the inputs are copied into static buffers that the graphs read; the block tables are as wide
 #     as max_model_len allows, so the kernels' launch shapes never change;
 #   - a padding row decodes a stale token against column 0 of a stale block-table row (always a valid
@@ -1587,11 +1591,19 @@ def graphs_wanted(llm):
     return not c.enforce_eager and llm.device.type == "cuda" and llm.tp is None and kernels._use_triton(torch.empty(0, device=llm.device))
 
 
-def capture_graph(run, pool):
-    """run() captured into a CUDA graph in pool: (graph, its static output). Called under the engine's
-    device; the capture stream is made there too (torch's default one lives on the first device used)."""
+@functools.cache
+def capture_stream(device):
+    """The one side stream graphs are captured on, per device (torch's default capture stream lives on
+    the first device used). One, not one per graph: cuBLAS keeps a workspace per stream, and a stream
+    first used inside a capture gets one that the graph then holds for good, outside profile_run's count."""
+    with torch.cuda.device(device):
+        return torch.cuda.Stream()
+
+
+def capture_graph(run, pool, stream):
+    """run() captured into a CUDA graph in pool, on stream: (graph, its static output)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream()):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = run()
     return graph, out
 
@@ -1604,7 +1616,7 @@ def capture_cuda_graphs(llm, force=False):
     try:
         with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
             return _capture_buckets(llm)
-    except RuntimeError as e:  # e.g. out of memory: the engine still runs, eagerly
+    except Exception as e:  # e.g. out of memory, or a kernel that does not compile: the engine still runs, eagerly
         warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); every step runs eagerly")
         return None
 
@@ -1616,7 +1628,7 @@ def _capture_buckets(llm):
                    block_tables=torch.zeros(n, llm.block_tables.table.shape[1], dtype=torch.int32, device=dev))
     query_start_loc, rows = torch.arange(n + 1, dtype=torch.int32, device=dev), torch.arange(n, dtype=torch.int64, device=dev)
     logits = torch.empty(n, llm.model.lm_head.out_features, dtype=llm.config.torch_dtype, device=dev)  # every graph's output
-    graphs, pool = {}, None
+    graphs, pool, stream = {}, None, capture_stream(dev) if dev.type == "cuda" else None
     for b in reversed(graph_batch_sizes(n)):
         static = {k: v[:b] for k, v in buffers.items()}
         meta = BatchMetadata(query_start_loc=query_start_loc[: b + 1], seq_lens=static["seq_lens"], slot_mapping=static["slot_mapping"],
@@ -1625,7 +1637,7 @@ def _capture_buckets(llm):
         model = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
         run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731 (one logits buffer for all: not one per graph)
         run()  # eager once first: Triton compiles its kernels for these shapes outside the capture
-        graph, out = capture_graph(run, pool)
+        graph, out = capture_graph(run, pool, stream)
         pool = graph.pool()
         graphs[b] = (graph, static, out)
     llm.stats.graph_capture_seconds = time.perf_counter() - start

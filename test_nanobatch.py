@@ -2351,8 +2351,9 @@ def test_cuda_bf16_logprobs_match_hf(tiny_models, family):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_profile_run_steps_through_the_largest_batches_on_a_one_block_cache(tiny_models, monkeypatch, graphs):
     """The KV pool's profile run (CUDA), its logic on a CPU: a prefill of max_num_batched_tokens tokens
-    in sequences no longer than max_model_len, max_num_seqs rows sampled, and with CUDA graphs also a
-    decode of max_num_seqs rows; every dummy step over a one-block cache that it never writes."""
+    in chunks no longer than max_model_len, each at the end of a max_model_len context, max_num_seqs
+    rows sampled, and with CUDA graphs also a decode of max_num_seqs rows; every dummy step over a
+    one-block cache that it never writes."""
     llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=16, max_num_batched_tokens=2500, max_num_seqs=40, **CPU)
     for name in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
@@ -2360,19 +2361,22 @@ def test_profile_run_steps_through_the_largest_batches_on_a_one_block_cache(tiny
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
     monkeypatch.setattr(nanobatch, "graphs_wanted", lambda llm: graphs)
+    monkeypatch.setattr(nanobatch, "capture_stream", lambda device: None)  # torch.cuda.stream(None) does nothing
     steps, forward = [], llm.model.forward
     def spy(input_ids, positions, kv_caches, meta):
         assert all(k.shape[0] == 1 and not k.any() for k, v in kv_caches) and (meta.slot_mapping == -1).all()
-        steps.append((meta.seq_lens.tolist(), meta.logits_indices.tolist(), meta.block_tables.shape[1]))
+        q_lens = meta.query_start_loc.diff().tolist()
+        assert positions.tolist() == [p for n, L in zip(q_lens, meta.seq_lens.tolist()) for p in range(L - n, L)]  # each chunk ends its context
+        steps.append((q_lens, meta.seq_lens.tolist(), meta.logits_indices.tolist(), meta.block_tables.shape[1]))
         out = forward(input_ids, positions, kv_caches, meta)
         assert out.isfinite().all()
         return out
     monkeypatch.setattr(llm.model, "forward", spy)
     peak = nanobatch.profile_run(llm)
     width = -(-1024 // 16)  # the tiny models' max_model_len, in blocks
-    assert steps[0] == ([1024, 1024, 452], list(range(40)), width)
+    assert steps[0] == ([1024, 1024, 452], [1024] * 3, list(range(40)), width)  # chunks of up to max_model_len, each at its end
     if graphs:
-        assert steps[1] == ([1] * 40, list(range(40)), width) and len(steps) == 2
+        assert steps[1] == ([1] * 40, [1] * 40, list(range(40)), width) and len(steps) == 2
         assert peak == 1000 - 0 + 1000 - 10 + 40 * llm.model_config.vocab_size * 4
     else:
         assert len(steps) == 1 and peak == 1000
@@ -2395,11 +2399,12 @@ def test_cuda_kv_pool_is_sized_from_gpu_memory_utilization(tiny_models):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=5, **GREEDY), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     free_after, _ = torch.cuda.mem_get_info()
-    # within the share, give or take 0.5% of the GPU: after the profile run, CUDA still loads kernel code on
+    # within the share, give or take 0.2% of the GPU: after the profile run, CUDA still loads kernel code on
     # first use (new batch shapes, the graphs' warm-ups) and torch's allocator keeps freed blocks reserved.
-    # Measured on an H100 (80 GB), torch 2.11: 348 MB (0.41%) over, where the shape estimate before the
-    # profile run (and before CUDA graphs) went 180 MB over
-    assert total - free_after <= (utilization + 0.005) * total, "the run outgrew gpu_memory_utilization"
+    # On an H100 (80 GB), torch 2.11, the run went 348 MB (0.41%) over while each graph was captured on a
+    # stream of its own (each stream gets a cuBLAS workspace, which a capture keeps: 8 buckets here);
+    # graphs now share one capture stream, whose workspace the profile run makes. Not yet rerun on a GPU
+    assert total - free_after <= (utilization + 0.002) * total, "the run outgrew gpu_memory_utilization"
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         LLM(model=folder, device="cuda", gpu_memory_utilization=(total - torch.cuda.mem_get_info()[0]) / total * 0.5)
 
@@ -2451,6 +2456,7 @@ def check_graphs_equal_eager(llm):
     graphs, llm.cuda_graphs = llm.cuda_graphs, None
     try:
         eager = llm.generate(prompts, params, use_tqdm=False)
+        llm.reset_prefix_cache()  # the beams prefill their prompts as the graphs' run below does
         eager_beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
     finally:
         llm.cuda_graphs = graphs
@@ -2477,7 +2483,8 @@ def check_graphs_equal_eager(llm):
     beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
     if exact:
         assert [[s.tokens for s in o.sequences] for o in beams] == [[s.tokens for s in o.sequences] for o in eager_beams]
-    assert [[len(s.tokens) for s in o.sequences] for o in beams] == [[len(s.tokens) for s in o.sequences] for o in eager_beams]
+    for g, e in zip(beams, eager_beams):  # bf16: a near tie may swap beams, but the best scores stay close
+        assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in e.sequences], abs=tol * 8)
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
 
 
@@ -2496,7 +2503,7 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
     copies do is checked against the eager engine (on a GPU, test_cuda_graphs_equal_eager)."""
     llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=128, block_size=8, max_num_seqs=12, **CPU)
     assert llm.cuda_graphs is None  # no graphs on a CPU
-    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool: (types.SimpleNamespace(pool=lambda: None), run()))
+    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run()))
     llm.cuda_graphs = nanobatch.capture_cuda_graphs(llm, force=True)
     assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 12]
     replayed = []
