@@ -1546,7 +1546,7 @@ def profile_run(llm):
         logits = llm.model(torch.zeros(starts[-1], dtype=torch.int64, device=dev), positions, caches, meta)
         if sample and logits is not None:  # (None on tensor-parallel ranks > 0: rank 0 samples)
             x = logits.float()  # the sampler's work: an fp32 copy, the raw rows kept for logprobs, a softmax, logprobs
-            compute_logprobs(x.clone(), torch.softmax(x, dim=-1).argmax(dim=-1), 20)
+            compute_logprobs(x.clone(), torch.softmax(x, dim=-1).argmax(dim=-1), min(20, x.shape[-1]))
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
 
