@@ -1588,7 +1588,7 @@ def graphs_wanted(llm):
     """Graphs on CUDA through Triton (the torch references sync the host in every call: they cannot be
     captured), without tensor parallelism (NCCL calls), unless enforce_eager."""
     c = llm.config
-    return not c.enforce_eager and llm.device.type == "cuda" and llm.tp is None and kernels._use_triton(torch.empty(0, device=llm.device))
+    return not c.enforce_eager and llm.device.type == "cuda" and llm.tp is None and kernels._use_triton(llm.model.lm_head.weight)
 
 
 @functools.cache
