@@ -18,15 +18,12 @@ One engine step, top to bottom of this file:
     -> logits of each sequence's last scheduled token -> Sampler
     -> append token, check stop -> RequestOutput
 
-Part I, the engine, in the order of a step (read it top to bottom):
-    Config | Sampling parameters and outputs | Requests and sequences | Block allocator |
-    Scheduler | Model | Loading | Sampler | Engine (LLM.step is the algorithm in 30 lines)
-Part II, after the banner that closes Part I: the plug-ins, each reached from one named
-hook in Part I: Validation | GGUF files | Long context | Stats and host-speed habits |
-Detokenization | Logits processors | Logprobs | Structured outputs | Beam search |
-Tensor parallelism | Progress bar | CLI. kernels.py holds the attention kernels (Triton, and the plain-torch
-references that state the rule). Two options live in their own modules, imported only when asked for:
-tp.py, tensor parallelism over several devices, and server.py, a separate program that serves HTTP.
+Part I, the engine, in the order of a step: Config | Sampling parameters and outputs | Requests
+and sequences | Block allocator | Scheduler | Model | Loading | Sampler | Engine (LLM.step is the
+algorithm in 30 lines). Part II, after the banner that closes Part I: the plug-ins, each reached
+from one named hook in Part I, then the CLI. kernels.py holds the attention kernels (Triton, and the
+plain-torch references that state the rule); tp.py (tensor parallelism) and server.py (HTTP) are
+options in their own modules, imported only when asked for.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
@@ -66,7 +63,6 @@ import kernels
 # ---- Config ----
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
 
 
 @dataclass
@@ -87,20 +83,12 @@ class EngineConfig:
     enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs the model eagerly (vLLM's name)
 
     def __post_init__(self):
-        check_engine_config(self)  # clear errors for bad numbers (Part II: Validation)
+        check_engine_config(self)  # hook (Validation): clear errors for bad numbers and devices
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device is {self.device!r} but CUDA is not available on this machine")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_prefers_bf16() else "float32"
-        self.dtype = kernels.kernel_dtype(device, self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
+            self.dtype = "bfloat16" if torch.device(self.device).type == "cuda" or kernels.cpu_prefers_bf16() else "float32"
+        self.dtype = kernels.kernel_dtype(torch.device(self.device), self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
 
     @property
     def torch_dtype(self):
@@ -867,10 +855,7 @@ class SamplingBatch:
         in_nucleus = set(nucleus)
         best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in in_nucleus]
         num_best = min(vocab_size, max(top_k[j] for j in best)) if best else 0
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device) if sampling else None
-
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device) if sampling else None  # noqa: E731
         return cls(
             rows=column(sampling, torch.int64), temperature=column([p.temperature for p in ps], torch.float32),
             top_k=column(top_k, torch.int64), top_p=column([p.top_p for p in ps], torch.float32), min_p=column([p.min_p for p in ps], torch.float32),
@@ -1006,7 +991,7 @@ class LLM:
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         else:
-            num_blocks = (c.kv_cache_memory_bytes or self._kv_cache_budget()) // bytes_per_block
+            num_blocks = (c.kv_cache_memory_bytes or kv_cache_budget(self)) // bytes_per_block  # hook (KV pool size)
         if self.tp is not None:
             num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # hook (tp.py): block ids mean one slot on every rank
         if num_blocks < 1:
@@ -1015,17 +1000,6 @@ class LLM:
         # so that a copy-on-write of block src -> dst is one indexing op over all layers
         kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
         return kv_pool, num_blocks
-
-    def _kv_cache_budget(self):
-        """On CUDA, as vLLM sizes it: gpu_memory_utilization of the GPU, less what stays in use after a
-        profile run (weights, the CUDA context with the kernels it loaded, cuBLAS workspaces) and what
-        the largest steps need on top (their activations, the CUDA graphs' memory)."""
-        if self.device.type == "cpu":
-            return CPU_KV_CACHE_BYTES
-        peak = profile_run(self)  # hook (GPU memory)
-        torch.cuda.empty_cache()  # memory freed while loading and profiling is reserved by torch's allocator, not used
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization) - (total - free) - peak
 
     # -- requests in --
 
@@ -1108,7 +1082,6 @@ class LLM:
 
     # -- one step --
 
-
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching: schedule, run the model once over the packed batch,
@@ -1175,10 +1148,7 @@ class LLM:
         max_blocks = max(len(s.block_ids) for s in batch.seqs)
         block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
         slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
-
-        def to(t):  # one copy to the device each, not waited for
-            return t.to(self.device, non_blocking=True)
-
+        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731 (one copy to the device each, not waited for)
         meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
                              logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
                              decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
@@ -1250,20 +1220,8 @@ class LLM:
         """Run every prompt to completion with continuous batching; outputs in input order.
         prompts: a string, a token-id list, a {"prompt" / "prompt_token_ids"} dict, or a list of
         them. (Requests queued earlier with add_request run along; their outputs are not returned here.)"""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts) if prompts is not None else []
-        if not prompts:
-            raise ValueError("no prompts given")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        validated = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):  # check everything before queueing anything
-            try:
-                validated.append(self._validate(prompt, p, output_kind="final_only"))  # only final outputs: no per-step copies
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        # hook (Validation): every prompt is checked before any is queued; only final outputs (no per-step copies)
+        validated = validate_prompts(self, prompts, sampling_params, output_kind="final_only")
         ids, finished, bar = [], {}, None
         try:
             for v in validated:
@@ -1293,8 +1251,9 @@ class LLM:
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
 # =====================================================================================
 #
-# Everything below joins the engine at a named place: check_* / tokenize_prompt (Validation),
-# read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
+# Everything below joins the engine at a named place: check_* / validate_prompts / tokenize_prompt
+# (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
+# kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs),
 # record_stats / BlockTables (Stats and host-speed habits), process_logits (Logits processors),
 # prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
 # step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks marked tp.py are
@@ -1341,9 +1300,23 @@ def check_engine_config(c: EngineConfig):
         ("enforce_eager", lambda v: isinstance(v, bool), "must be True or False"),
         ("dtype", lambda v: v == "auto" or v in DTYPES, f"must be 'auto' or one of {sorted(DTYPES)}"),
     ])
+    check_device(c.device)
     if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
         raise ValueError(f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs}): "
                          "every running sequence needs a token of the step budget")
+
+
+def check_device(name):
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {name!r} but CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {name!r}")
 
 
 def check_sampling_params(p: SamplingParams):
@@ -1394,6 +1367,26 @@ def check_fits(llm, token_ids, params):
     blocks = -(-max_len // llm.config.block_size) * num_beams
     if blocks > llm.allocator.num_blocks:
         raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {llm.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
+
+
+def validate_prompts(llm, prompts, sampling_params, **change):
+    """generate()'s prompts (one, or a list) with their params (one for all, or a list): [(text, token
+    ids, params)] from llm._validate, each checked before any is queued; an error names the prompt."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts) if prompts is not None else []
+    if not prompts:
+        raise ValueError("no prompts given")
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    validated = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        try:
+            validated.append(llm._validate(prompt, p, **change))
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    return validated
 
 
 def tokenize_prompt(llm, prompt):
@@ -1514,12 +1507,26 @@ def scale_rope(inv_freq, s):
     return torch.where(medium, smoothed, scaled)
 
 
-# ---- GPU memory: a profile run sizes the KV pool ----
-# The KV pool takes what is left of gpu_memory_utilization, so what else the engine will need must be
+# ---- KV pool size: 1 GiB on a CPU; on a GPU, what a profile run leaves ----
+# On a GPU the KV pool takes what is left of gpu_memory_utilization, so what else the engine will need must be
 # known first. Estimating it from the shapes misses the CUDA context's growth as kernels load on first
 # use, cuBLAS workspaces and the allocator's rounding. vLLM measures instead: before the pool exists,
 # it runs the largest step on dummy inputs and reads the peak. Not profiled: prompt logprobs, whose
 # logits rows can be every prompt token of a step (max_num_batched_tokens x vocab in fp32).
+
+CPU_KV_CACHE_BYTES = 1 << 30  # on CPU the KV pool gets 1 GiB unless num_kv_blocks or kv_cache_memory_bytes say otherwise
+
+
+def kv_cache_budget(llm):
+    """The KV pool's bytes on CUDA, as vLLM sizes it: gpu_memory_utilization of the GPU, less what stays
+    in use after a profile run (weights, the CUDA context with the kernels it loaded, cuBLAS workspaces)
+    and what the largest steps need on top (their activations, the CUDA graphs' memory). 1 GiB on a CPU."""
+    if llm.device.type == "cpu":
+        return CPU_KV_CACHE_BYTES
+    peak = profile_run(llm)
+    torch.cuda.empty_cache()  # memory freed while loading and profiling is reserved by torch's allocator, not used
+    free, total = torch.cuda.mem_get_info(llm.device)
+    return int(total * llm.config.gpu_memory_utilization) - (total - free) - peak
 
 
 def profile_run(llm):
