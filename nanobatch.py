@@ -86,9 +86,10 @@ class EngineConfig:
         check_engine_config(self)  # hook (Validation): clear errors for bad numbers and devices
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(self.device)
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if torch.device(self.device).type == "cuda" or kernels.cpu_prefers_bf16() else "float32"
-        self.dtype = kernels.kernel_dtype(torch.device(self.device), self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
+            self.dtype = "bfloat16" if device.type == "cuda" or kernels.cpu_prefers_bf16() else "float32"
+        self.dtype = kernels.kernel_dtype(device, self.dtype)  # bfloat16 -> float16 before sm_80 (no bf16 tensor cores)
 
     @property
     def torch_dtype(self):
@@ -991,7 +992,7 @@ class LLM:
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
         else:
-            num_blocks = (c.kv_cache_memory_bytes or kv_cache_budget(self)) // bytes_per_block  # hook (KV pool size)
+            num_blocks = (c.kv_cache_memory_bytes or kv_cache_budget(self)) // bytes_per_block  # hook (KV pool size): 1 GiB on a CPU
         if self.tp is not None:
             num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # hook (tp.py): block ids mean one slot on every rank
         if num_blocks < 1:
@@ -1253,11 +1254,13 @@ class LLM:
 #
 # Everything below joins the engine at a named place: check_* / validate_prompts / tokenize_prompt
 # (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
-# kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs),
-# record_stats / BlockTables (Stats and host-speed habits), process_logits (Logits processors),
-# prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
-# step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks marked tp.py are
-# the methods of the object it returns), _GenerateProgress (generate's progress bar). A learner may stop here.
+# kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
+# BlockTables (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
+# (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
+# track_token (Logprobs and the per-token state), StructuredOutputManager / grammar_terminated
+# (Structured outputs), step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks
+# marked tp.py are the methods of the object it returns), _GenerateProgress (the progress bar).
+# A learner may stop here.
 
 
 # ---- Validation: bad settings get an error that names them ----
@@ -1300,13 +1303,14 @@ def check_engine_config(c: EngineConfig):
         ("enforce_eager", lambda v: isinstance(v, bool), "must be True or False"),
         ("dtype", lambda v: v == "auto" or v in DTYPES, f"must be 'auto' or one of {sorted(DTYPES)}"),
     ])
-    check_device(c.device)
     if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps
         raise ValueError(f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs}): "
                          "every running sequence needs a token of the step budget")
+    check_device(c.device)
 
 
 def check_device(name):
+    """A device torch knows and this machine has: "cpu" or "cuda[:N]" ("auto" is resolved after the checks)."""
     if name == "auto":
         return
     try:
