@@ -35,7 +35,6 @@ API:  from nanobatch import LLM, SamplingParams   (the same calls as vLLM's quic
 import argparse
 import array
 import atexit
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -1625,7 +1624,7 @@ def capture_cuda_graphs(llm, force=False):
     if not force and not graphs_wanted(llm):
         return None
     try:
-        with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+        with kernels._on_device(llm.kv_pool):  # the pool's CUDA device made current (a no-op on a CPU)
             return _capture_buckets(llm)
     except Exception as e:  # e.g. out of memory, or a kernel that does not compile: the engine still runs, eagerly
         warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); every step runs eagerly")
@@ -1670,7 +1669,7 @@ def run_model(llm, input_ids, positions, meta):
     static["seq_lens"][:num_seqs].copy_(meta.seq_lens)
     static["seq_lens"][num_seqs:].fill_(1)
     static["block_tables"][:num_seqs, :width].copy_(meta.block_tables)
-    with torch.cuda.device(llm.device) if llm.device.type == "cuda" else contextlib.nullcontext():
+    with kernels._on_device(llm.kv_pool):
         graph.replay()
     return logits[:num_seqs]
 
