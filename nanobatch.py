@@ -15,7 +15,7 @@ One engine step, top to bottom of this file:
     -> Model.forward(flat tokens, positions, BatchMetadata)
         per layer: qkv -> rotary -> kernels.store_kv(slot_mapping)
                    -> kernels.paged_attention(block_tables, seq_lens)
-    -> logits of each sequence's last scheduled token -> Sampler
+    -> logits at the last token of each sequence whose prompt is all computed -> Sampler
     -> append token, check stop -> RequestOutput
 
 Part I, the engine, in the order of a step: Config | Sampling parameters and outputs | Requests
@@ -77,7 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full KV blocks (prompt and output) between requests with equal prefixes
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    seed: int = 0  # seeds requests that have no seed of their own
+    seed: int = 0  # seeds the engine's one generator, which samples every request that has no seed of its own
     tensor_parallel_size: int = 1  # ranks that split each layer (Megatron); >1 spawns ranks 1..N-1, or runs under torchrun
     enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs the model eagerly (vLLM's name)
 
@@ -116,7 +116,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens (a grammar still can)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
@@ -299,8 +299,8 @@ class BlockAllocator:
                 self.free_ids[block_id] = None
                 self.num_filled_slots -= self.num_filled[block_id]
 
-    def fill(self, block_id, num_tokens):
-        """K/V now fill the first num_tokens slots of this (in-use) block."""
+    def count_filled(self, block_id, num_tokens):
+        """Statistics only: K/V now fill the first num_tokens slots of this (in-use) block."""
         self.num_filled_slots += num_tokens - self.num_filled[block_id]
         self.num_filled[block_id] = num_tokens
 
@@ -325,9 +325,10 @@ class BlockAllocator:
         self.block_keys = [None] * self.num_blocks
 
     def register(self, block_id, key, parent_block, token_ids):
-        """Cache a full block. Returns the block that holds these tokens from now on: an equal block
-        already cached (the same prefix computed in the same step by another request) takes this one's
-        place, and this one goes back to the pool, so that the blocks after it chain to the cached one."""
+        """Cache a full block. Returns the block that holds these tokens from now on: an equal cached block
+        (one computed again though cached, as a prompt's last token always is, or the same prefix computed by
+        another request in this step) takes this one's place, this one goes back to the pool, and the blocks
+        after it chain to the cached one."""
         entry = (key, parent_block, tuple(token_ids))
         same = self.cached.get(key)
         if same is None:  # the first full block with these tokens serves later lookups
@@ -363,8 +364,8 @@ class Scheduler:
     token budget left is prefilled in chunks over several steps.
 
     Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and
-    preempted sequences go back to its front); running sequences are served every
-    step (decodes first, each class oldest first), and when blocks run out the
+    preempted sequences go back to its front); every running decode is served every
+    step, before any prefill chunk (each class oldest first), and when blocks run out the
     newest admission not yet scheduled in this step is preempted (so a newer decode
     can outlast an older sequence in the middle of its prefill). One sequence alone
     always fits the pool (checked at add time), so a preempted sequence runs again
@@ -407,8 +408,7 @@ class Scheduler:
                 # the victim is the newest admission not already in this batch; when only
                 # sequences already scheduled are newer than seq, seq itself is the newest left
                 victim = next((s for s in reversed(self.running) if s not in batch.seqs), seq)
-                self._preempt(victim, batch)
-                batch.num_preempted += 1
+                budget += self._preempt(victim, batch)  # (a beam group's beams already in the batch give their tokens back)
                 if seq.status != RUNNING:  # seq itself went (or its beam group did)
                     break
             if seq.status == RUNNING:
@@ -506,17 +506,20 @@ class Scheduler:
     def _preempt(self, seq, batch):
         """Preemption by recompute: free the blocks and queue the sequence at the front;
         its generated tokens are kept and prefilled again on readmission. A beam group goes
-        as a whole, beams already in this step's batch included (its beams step together)."""
+        as a whole, beams already in this step's batch included (their tokens go back to the budget)."""
         group = [s for s in seq.request.seqs if s.status == RUNNING] if seq.request.beam is not None else [seq]
         seq.request.metrics.num_preemptions += 1
+        batch.num_preempted, budget_back = batch.num_preempted + 1, 0
         for s in reversed(group):  # appendleft in reverse: the group keeps its order at the front
             if s in batch.seqs:  # its copy-on-write, if any, then lands in a free block: harmless
                 i = batch.seqs.index(s)
-                del batch.seqs[i], batch.num_new_tokens[i]
+                budget_back += batch.num_new_tokens.pop(i)
+                del batch.seqs[i]
             self.running.remove(s)
             self._release(s)
             s.status = WAITING
             self.waiting.appendleft(s)
+        return budget_back
 
     def mark_computed(self, batch: ScheduledBatch):
         """After the forward: the new K/V are in the cache, full blocks become shareable."""
@@ -525,7 +528,7 @@ class Scheduler:
             before = seq.num_computed_tokens
             end = seq.num_computed_tokens = before + num_new
             for i in range(before // bs, -(-end // bs)):  # the blocks written this step
-                allocator.fill(seq.block_ids[i], min(bs, end - i * bs))
+                allocator.count_filled(seq.block_ids[i], min(bs, end - i * bs))
             if not caching or end // bs == before // bs:
                 continue  # (no block became full: nothing to register)
             self._hash_full_blocks(seq, end)
@@ -946,7 +949,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_config)
         self.tp = start_tensor_parallel(self.config)  # hook (Tensor parallelism: tp.py): None, or this rank's place in the group
         self.device = torch.device(self.config.device)
-        path = self.config.model or default_model_path()
+        path = os.path.expanduser(self.config.model or default_model_path())
         self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp)
         self.eos_token_ids = self._eos_token_ids(path)
         self.kv_pool, num_blocks = self._allocate_kv_cache()
@@ -995,7 +998,8 @@ class LLM:
         if self.tp is not None:
             num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # hook (tp.py): block ids mean one slot on every rank
         if num_blocks < 1:
-            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+            raise ValueError(f"no memory is left for the KV cache (one block takes {bytes_per_block} bytes): raise num_kv_blocks or kv_cache_memory_bytes,"
+                             " or on a GPU lower max_num_batched_tokens or raise gpu_memory_utilization")
         # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
         # so that a copy-on-write of block src -> dst is one indexing op over all layers
         kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
@@ -1132,7 +1136,7 @@ class LLM:
             end = seq.num_computed_tokens + num_new
             input_ids += seq.token_ids[seq.num_computed_tokens : end]
             seq_lens.append(end)
-            if end == len(seq.token_ids):  # the prompt (or chunk) reaches the end: this row samples the next token
+            if end == len(seq.token_ids):  # the last chunk reaches the end of the sequence: this row samples the next token
                 sample_rows.append(start + num_new - 1)
                 sampled.append(seq)
             start += num_new
@@ -1144,7 +1148,8 @@ class LLM:
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
         # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
         positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
-        rows = self.block_tables.rows(batch.seqs)  # (num_seqs,)
+        # each sequence's block ids, padded to the longest: BlockTables (Part II) keeps them in one persistent table
+        rows = self.block_tables.rows(batch.seqs)  # (num_seqs,) and writes only what changed since the last step
         max_blocks = max(len(s.block_ids) for s in batch.seqs)
         block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
         slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
@@ -1180,7 +1185,7 @@ class LLM:
     def _check_stop(self, seq, token_id, num_chars_before):
         params = seq.request.params
         num_output = seq.num_output_tokens
-        may_stop = num_output >= params.min_tokens  # before min_tokens only the length limit ends it
+        may_stop = num_output >= params.min_tokens  # before min_tokens only a grammar's end or the length limit ends it
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
@@ -1197,7 +1202,7 @@ class LLM:
         if finished:
             request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
             del self.requests[request.request_id]  # it ends exactly once: no later output
-        # a snapshot: the lists are copied (callers and server threads may keep it while the engine runs on)
+        # a snapshot: the lists that grow are copied (callers and server threads may keep it while the engine runs on)
         completions = [
             CompletionOutput(
                 s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
@@ -1229,8 +1234,7 @@ class LLM:
             bar = _GenerateProgress(self, ids, validated) if use_tqdm else None
             while self.has_unfinished_requests():
                 outputs = self.step()
-                for out in outputs:
-                    finished[out.request_id] = out
+                finished.update((out.request_id, out) for out in outputs)
                 if bar is not None:
                     bar.update(outputs)
         except BaseException:
@@ -2345,7 +2349,7 @@ def build_arg_parser():
     g.add_argument("--serve", action="store_true", help="serve HTTP (/generate, /v1/completions, /v1/chat/completions, ...) instead of running --prompts")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (checked before the model loads)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (None: the model folder or file name)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (None: the --model argument as given, or the default model's path)")
     g.add_argument("--limit-concurrency", type=int, default=None, help="connections + requests in flight past which requests get a 503")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds a connection gets to send each request head")
     return p

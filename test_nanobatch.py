@@ -23,6 +23,7 @@ import math
 import functools
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -924,6 +925,19 @@ def test_same_seed_same_output_whatever_the_batch(tiny_llm):
     assert other_seed[0].outputs[0].token_ids != alone
 
 
+def test_preemption_keeps_seeded_samples(tiny_models, tiny_llm):
+    """A seeded sample draws from its own generator, which a preemption does not rewind or advance:
+    recomputed, it goes on with the same draws as in a pool where nobody is preempted."""
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(4)]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=40 + i, ignore_eos=True) for i in range(4)]
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    small = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, block_size=4, **CPU)  # 6 blocks each at the end
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert got == expected
+    assert small.allocator.num_free_blocks == small.allocator.num_blocks
+
+
 def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_llm):
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
@@ -1410,10 +1424,11 @@ def test_beam_groups_under_preemption(tiny_models, prefix_caching):
     preempted_groups, preempt = [], small.scheduler._preempt
 
     def spy(seq, batch):  # a beam group leaves as a whole: none of its beams stays running or in the batch
-        preempt(seq, batch)
+        budget_back = preempt(seq, batch)
         if seq.request.beam is not None:
             preempted_groups.append(seq.request)
             assert all(s.status == nanobatch.WAITING and s not in batch.seqs for s in seq.request.seqs)
+        return budget_back
 
     small.scheduler._preempt = spy
     outputs = small.generate(prompts, params, use_tqdm=False)
@@ -1652,6 +1667,17 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
 def test_unknown_model_path():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(model="/no/such/model")
+
+
+def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_path, monkeypatch):
+    """generation_config.json's eos_token_id list (Llama 3 Instruct's way of naming its end-of-turn token)
+    ends outputs, whether the model folder is given as an absolute path or under ~."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for model in (str(folder), "~/tiny"):
+        assert {2, 77} <= LLM(model=model, num_kv_blocks=8, **CPU).eos_token_ids, model
 
 
 def test_unsupported_architecture(tmp_path):
