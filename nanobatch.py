@@ -115,7 +115,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens (a grammar still can)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
@@ -1166,10 +1166,7 @@ class LLM:
             seq.token_ids.append(token_id)
             params = seq.request.params
             track_token(self, seq, row, token_id, logprobs)  # hook (Part II): grammar state, penalty counts, logprobs
-            num_chars = len(seq.text)
-            if params.text_each_step:
-                detokenize(self.tokenizer, seq, token_id)
-            self._check_stop(seq, token_id, num_chars)
+            self._check_stop(seq, token_id)
             if seq.finish_reason is not None:
                 finish_text(self.tokenizer, seq)
                 self.scheduler.finish(seq)
@@ -1182,17 +1179,21 @@ class LLM:
         outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
         return outputs + self._collect_aborted()
 
-    def _check_stop(self, seq, token_id, num_chars_before):
-        params = seq.request.params
-        num_output = seq.num_output_tokens
-        may_stop = num_output >= params.min_tokens  # before min_tokens only a grammar's end or the length limit ends it
-        if may_stop and token_id in params.stop_token_ids:
+    def _check_stop(self, seq, token_id):
+        """As vLLM: a stop token (stop_token_ids, EOS, a grammar's end) ends the output before the token
+        has text, which leaves its text out unless include_stop_str_in_output; then the text grows and may
+        end with a stop string. Before min_tokens only a grammar's end or the length limit ends it."""
+        params, num_output = seq.request.params, seq.num_output_tokens
+        if num_output >= params.min_tokens and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+        elif (num_output >= params.min_tokens and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
             seq.finish_reason = "stop"
-        elif grammar_terminated(seq):
-            seq.finish_reason = "stop"
-        elif may_stop and params.stop and truncate_at_stop_string(seq, num_chars_before):
+        num_chars = len(seq.text)
+        if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
+            detokenize(self.tokenizer, seq, token_id)
+        if seq.finish_reason is not None:
+            return
+        if num_output > params.min_tokens and params.stop and truncate_at_stop_string(seq, num_chars):  # (vLLM: not in the min_tokens-th token)
             seq.finish_reason = "stop"
         elif num_output >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
@@ -1231,7 +1232,7 @@ class LLM:
         try:
             for v in validated:
                 ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
-            bar = _GenerateProgress(self, ids, validated) if use_tqdm else None
+            bar = _GenerateProgress(self, ids) if use_tqdm else None
             while self.has_unfinished_requests():
                 outputs = self.step()
                 finished.update((out.request_id, out) for out in outputs)
@@ -1332,7 +1333,7 @@ def check_sampling_params(p: SamplingParams):
     logprobs_rule = lambda v: v is None or (_int(v) and 0 <= v <= 20)  # noqa: E731
     check_fields(p, "SamplingParams.", [
         ("n", lambda v: _int(v) and v >= 1, "must be an integer >= 1"),
-        ("temperature", lambda v: _num(v) and 0 <= v < math.inf, "must be a finite number >= 0 (0 means greedy)"),
+        ("temperature", lambda v: _num(v) and 0 <= v <= 1e30, "must be a number from 0 (greedy) to 1e30"),
         ("top_p", lambda v: _num(v) and 0 < v <= 1, "must be in (0, 1]"),
         ("top_k", lambda v: _int(v) and -1 <= v < 2**31, "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it"),
         ("min_p", lambda v: _num(v) and 0 <= v <= 1, "must be in [0, 1]"),
@@ -1344,7 +1345,7 @@ def check_sampling_params(p: SamplingParams):
         ("prompt_logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
         ("presence_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
         ("frequency_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
-        ("repetition_penalty", lambda v: _num(v) and 0 < v < math.inf, "must be a finite number > 0 (1 means none)"),
+        ("repetition_penalty", lambda v: _num(v) and 1e-30 <= v <= 1e30, "must be a number from 1e-30 to 1e30 (1 means none)"),
         ("logit_bias", lambda v: _token_ids(v) and all(_num(b) and math.isfinite(b) for b in v.values()),
          "must map token ids (integers >= 0) to finite numbers"),
         ("min_tokens", lambda v: _int(v) and 0 <= v <= (p.max_tokens or math.inf), "must be an integer >= 0 and at most max_tokens"),
@@ -1370,6 +1371,9 @@ def check_fits(llm, token_ids, params):
         raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
     if params.n > llm.config.max_num_seqs:
         raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
+    for name in ("stop_token_ids", "logit_bias"):  # (a mask or a bias indexes the logits by these ids)
+        if bad := [t for t in getattr(params, name) if t >= llm.model_config.vocab_size]:
+            raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary (0..{llm.model_config.vocab_size - 1})")
     max_len = min(llm.max_model_len, len(token_ids) + (params.max_tokens or llm.max_model_len))
     blocks = -(-max_len // llm.config.block_size) * num_beams
     if blocks > llm.allocator.num_blocks:
@@ -1748,19 +1752,22 @@ def freeze_gc_heap():
 # ---- Detokenization and stop strings ----
 
 
-def detokenize(tokenizer, seq, token_id=None, flush=False):
+def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
     """Incremental detokenization with the tokenizers library's DecodeStream: each token
     costs O(1), the text grows by whole characters and equals a decode of all output
     tokens (a SentencePiece tokenizer drops the first output token's leading space, as
     decoding the output tokens alone does). flush: the tokens not yet in the text are
-    decoded in one call: a character still cut in the middle at the end comes out as the
-    replacement character, as a plain decode gives it; for a request whose text nobody
-    reads before it ends (not text_each_step), that is every output token, decoded once."""
+    decoded in one call (up to output token `upto`): a character still cut in the middle at
+    the end comes out as the replacement character, as a plain decode gives it; for a request
+    whose text nobody reads before it ends (not text_each_step), that is every output token,
+    decoded once."""
     if flush:
-        if seq.num_detokenized < seq.num_output_tokens:
-            rest = seq.token_ids[len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized :]
+        upto = seq.num_output_tokens if upto is None else upto
+        if seq.num_detokenized < upto:
+            first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
+            rest = seq.token_ids[first + seq.num_detokenized : first + upto]
             seq.text += tokenizer.decode(rest, skip_special_tokens=seq.request.params.skip_special_tokens)
-            seq.num_detokenized = seq.num_output_tokens
+            seq.num_detokenized = upto
         return
     if seq.detokenizer is None:
         from tokenizers.decoders import DecodeStream
@@ -1772,8 +1779,10 @@ def detokenize(tokenizer, seq, token_id=None, flush=False):
         seq.num_detokenized = seq.num_output_tokens
 
 def finish_text(tokenizer, seq):
-    if not isinstance(seq.stop_reason, str):  # (a stop string already cut the text where it ends)
-        detokenize(tokenizer, seq, flush=True)
+    if isinstance(seq.stop_reason, str):  # a stop string already cut the text where it ends
+        return
+    hidden = seq.finish_reason == "stop" and not seq.request.params.include_stop_str_in_output  # a stop token's text is left out
+    detokenize(tokenizer, seq, flush=True, upto=seq.num_output_tokens - hidden)
 
 
 def truncate_at_stop_string(seq, num_chars_before):
@@ -1809,7 +1818,7 @@ def apply_penalties(logits, seqs, eos_token_ids):
             stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
             logits[row, stops] = -math.inf
         if p.logit_bias:
-            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device).clamp(-100, 100)
         if p.has_penalties:
             penalized.append(row)
     if not penalized:
@@ -1999,10 +2008,14 @@ class StructuredOutputManager:
         compile = {"json": lambda t: self.compiler.compile_json_schema(t, any_whitespace=False),
                    "regex": self.compiler.compile_regex, "grammar": self.compiler.compile_grammar}[kind]
         try:
-            return compile(text)
+            grammar = compile(text)
         except RuntimeError as e:  # xgrammar's C++ errors start with "[time] file.cc:line: "
             reason = str(e).strip().split(": ", 1)[-1] if str(e).startswith("[") else str(e).strip()
             raise ValueError(f"structured_outputs.{name} does not compile: {_cut(reason, 300)}") from None
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        if xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask, 0) and not bitmask.any():
+            raise ValueError(f"structured_outputs.{name} allows no output: no token can start it")
+        return grammar
 
     def new_matcher(self, params: StructuredOutputsParams | None):
         if params is None:
@@ -2022,14 +2035,16 @@ def apply_grammar_masks(logits, seqs):
 
     bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[1])  # (S, ceil(vocab / 32)) int32 on the CPU, all allowed
     rows = [row for row in rows if seqs[row].matcher.fill_next_token_bitmask(bitmask, row)]  # False: every token allowed
+    rows = [row for row in rows if bitmask[row].any()]  # none allowed: a dead end, left unmasked (advance_grammar ends it)
     if rows:
         xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
 def advance_grammar(seq, token_id):
-    # the mask allowed only tokens the grammar accepts, so a refusal is a bug, not bad input
+    # the mask allowed only tokens the grammar accepts, but a grammar can reach a dead end where it allows
+    # none (apply_grammar_masks leaves that row unmasked): its request alone ends there, "abort", as vLLM's
     if seq.matcher is not None and not seq.matcher.accept_token(token_id):
-        raise RuntimeError(f"the grammar of request {seq.request.request_id} refused token {token_id} that its mask allowed")
+        seq.finish_reason = "abort"
 
 
 def grammar_terminated(seq):
@@ -2252,30 +2267,32 @@ def start_tensor_parallel(config: EngineConfig):
 
 
 class _GenerateProgress:
-    """generate()'s progress bar, in output tokens: its total is what the requests may
-    produce at most, and shrinks as requests end early (EOS, stop strings)."""
+    """generate()'s progress bar, in output tokens: its total is what the unfinished requests may
+    produce at most (requests queued earlier run along and count too), and shrinks as requests end
+    early (EOS, stop strings). The request count is generate()'s own."""
 
-    def __init__(self, llm, request_ids, validated):
+    def __init__(self, llm, request_ids):
         from tqdm import tqdm
 
-        self.llm, self.num_requests, self.num_done = llm, len(validated), 0
-        params = [llm.requests[i].params for i in request_ids]  # a beam search's too (validated may hold BeamSearchParams)
-        bounds = [p.n * min(p.max_tokens or math.inf, llm.max_model_len - len(ids)) for (_, ids, _), p in zip(validated, params)]  # most output tokens
-        self.bounds = dict(zip(request_ids, bounds))
-        self.bar = tqdm(total=sum(bounds), desc="generating", unit="tok", dynamic_ncols=True)
+        self.llm, self.ours, self.num_done = llm, set(request_ids), 0
+        self.bounds = {i: r.params.n * min(r.params.max_tokens or math.inf, llm.max_model_len - len(r.prompt_token_ids))
+                       for i, r in llm.requests.items()}  # most output tokens (a beam search's params: its beams')
+        done = sum(s.num_output_tokens for r in llm.requests.values() for s in r.seqs)  # by requests queued earlier
+        self.bar = tqdm(total=sum(self.bounds.values()), initial=done, desc="generating", unit="tok", dynamic_ncols=True)
         self.start, self.num_out, self.num_prompt, self.num_cached = time.perf_counter(), llm.stats.num_output_tokens, 0, 0
 
-    def update(self, finished_outputs):
-        for out in finished_outputs:
-            self.num_done += 1
-            self.num_prompt += len(out.prompt_token_ids)
-            self.num_cached += out.num_cached_tokens
-            self.bar.total -= self.bounds.pop(out.request_id, 0) - sum(len(c.token_ids) for c in out.outputs)
+    def update(self, outputs):
+        for out in [o for o in outputs if o.finished and o.request_id in self.bounds]:
+            self.bar.total -= self.bounds.pop(out.request_id) - sum(len(c.token_ids) for c in out.outputs)
+            if out.request_id in self.ours:
+                self.num_done += 1
+                self.num_prompt += len(out.prompt_token_ids)
+                self.num_cached += out.num_cached_tokens
         new = self.llm.stats.num_output_tokens - self.num_out
         self.num_out += new
         self.bar.update(new)
         hit = self.num_cached / max(self.num_prompt, 1)
-        self.bar.set_postfix_str(f"requests {self.num_done}/{self.num_requests}, prefix hit {hit:.0%}", refresh=False)
+        self.bar.set_postfix_str(f"requests {self.num_done}/{len(self.ours)}, prefix hit {hit:.0%}", refresh=False)
 
     def close(self):
         self.bar.close()
@@ -2355,7 +2372,8 @@ def build_arg_parser():
     return p
 
 
-def run_cli(args):
+def run_cli(args, parser):
+    check_unused_flags(args, parser)
     if not args.serve and not args.prompts:
         raise ValueError("--prompts is required (a file with one prompt per line, or - for stdin), or --serve")
     prompts = read_prompts(args.prompts) if not args.serve else None
@@ -2366,8 +2384,6 @@ def run_cli(args):
         import server  # the web stack loads only here
 
         server.check_port_free(args.host, args.port)  # before the model load (seconds): a busy port fails at once
-    if args.beam_width is not None:
-        check_beam_flags(args)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, seed=args.seed,
@@ -2403,16 +2419,19 @@ def run_cli(args):
           f"output tokens/s: {num_out / seconds:.1f}, prefix cache hit rate: {num_cached / num_prompt:.1%}")
 
 
-def check_beam_flags(args):
-    """Beam search takes --max-tokens and --ignore-eos; a flag it would ignore is an error, as the server's 400."""
-    s = SamplingParams()
-    given = {"--n": args.n != s.n, "--temperature": args.temperature != s.temperature, "--top-p": args.top_p != s.top_p,
-             "--top-k": args.top_k != s.top_k, "--min-p": args.min_p != s.min_p, "--stop": bool(args.stop),
-             "--stop-token-ids": bool(args.stop_token_ids), "--seed": args.seed is not None,
-             "--json-schema": args.json_schema is not None, "--regex": args.regex is not None}
-    taken = [flag for flag, is_given in given.items() if is_given]
-    if taken:
+def check_unused_flags(args, parser):
+    """A flag the chosen mode would ignore is an error, as the server's 400: --serve takes no prompts and no
+    sampling flags (each request brings its own), beam search only --max-tokens and --ignore-eos of those,
+    and the server's flags need --serve."""
+    flags = cli_flags(parser)
+    given = lambda dests: [flags[d] for d in dests if getattr(args, d) != parser.get_default(d)]  # noqa: E731
+    sampling = ["n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "json_schema", "regex"]
+    if args.serve and (taken := given(["prompts", "chat", "output", "quiet", "beam_width", "max_tokens", "ignore_eos", *sampling])):
+        raise ValueError(f"--serve does not take {', '.join(taken)} (each request brings its prompt and sampling parameters)")
+    if args.beam_width is not None and (taken := given(sampling)):
         raise ValueError(f"--beam-width does not take {', '.join(taken)} (beam search keeps the --beam-width most likely sequences)")
+    if not args.serve and (taken := given(["host", "port", "served_model_name", "limit_concurrency", "timeout_keep_alive"])):
+        raise ValueError(f"{', '.join(taken)} would be ignored without --serve")
 
 
 def format_sample(prompt, c: CompletionOutput, num_outputs, beam=False):
@@ -2426,10 +2445,14 @@ def format_sample(prompt, c: CompletionOutput, num_outputs, beam=False):
     return f"--- prompt: {prompt!r}{label}\n{text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]"
 
 
+def cli_flags(parser):
+    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}  # field name -> its flag
+
+
 def in_cli_words(message, parser):
     """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
     the flags --max-tokens and --max-num-seqs."""
-    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    flags = cli_flags(parser)
 
     def flag(m):
         return flags.get(m.group(1) or m.group(2), m.group(0))
@@ -2441,7 +2464,7 @@ def main(argv=None):
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     try:
-        run_cli(args)
+        run_cli(args, parser)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {in_cli_words(str(e), parser)}", file=sys.stderr)
         sys.exit(1)

@@ -101,7 +101,7 @@ class ServerError(Exception):
         """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
         `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
         message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
-        field = re.match(r"([a-z_]+)(=| must | cannot )", message)
+        field = re.match(r"([a-z_]+)(=| must | cannot | has | \S+ exceeds )", message)
         return cls(prefix + message, param=field and field.group(1))
 
     def body(self):
@@ -153,6 +153,8 @@ class EngineLoop:
         self.inbox = queue.Queue()
         self.outboxes = {}  # request id -> (deliver, prompt index) of a running request (engine thread only)
         self.num_client_aborts = 0  # HTTP requests aborted because their client hung up
+        self.refused = set()  # requests of a refused batch, aborted: their outputs are not counted in /metrics
+        self.closing, self.closed = threading.Lock(), False
         self.thread = threading.Thread(target=self._run, name="nanobatch-engine", daemon=True)
         self.thread.start()
 
@@ -188,9 +190,10 @@ class EngineLoop:
         return await future
 
     def _post(self, message):
-        if not self.thread.is_alive():
-            raise ServerError("the engine is not running", 503)
-        self.inbox.put(message)
+        with self.closing:  # a message posted once _close has drained the inbox would wait forever
+            if self.closed or not self.thread.is_alive():
+                raise ServerError("the engine is not running", 503)
+            self.inbox.put(message)
 
     def stop(self, timeout=10):
         """Fail the requests still running (503), free their blocks, end the thread."""
@@ -255,6 +258,7 @@ class EngineLoop:
     def _refuse(self, sub, added, error):
         for request_id in added:  # a batch of prompts runs whole or not at all
             self.llm.abort_request(request_id)
+            self.refused.add(request_id)
         sub.deliver(error)
 
     def _step(self):
@@ -270,8 +274,10 @@ class EngineLoop:
     def _deliver(self, outputs):
         by_loop = {}  # event loop -> [(fn, (prompt index, output))]: each loop is woken once for the whole step
         for out in outputs:
-            if self.metrics is not None:
+            if self.metrics is not None and out.request_id not in self.refused:
                 self.metrics.observe(out)  # first: a client that has its answer sees it counted
+            if out.finished:
+                self.refused.discard(out.request_id)
             target = self.outboxes.pop(out.request_id, None) if out.finished else self.outboxes.get(out.request_id)
             if target is None:
                 continue
@@ -298,6 +304,8 @@ class EngineLoop:
 
     def _close(self):
         closing = ServerError("the server is shutting down", 503)
+        with self.closing:
+            self.closed = True
         for message in self._drain(block=False):  # whatever came in after "stop"
             if message[0] == "add":
                 message[1].deliver(closing)
@@ -889,10 +897,13 @@ class OpenAIFormat:
                 text, entries, finish_reason = self.parts(index, out, c, c.text)
                 content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
                 choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": c.stop_reason}
-                if self.prompt_logprobs:
+                if self.prompt_logprobs and not self.chat:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
-        return {**self.envelope(choices, chunk=False), "usage": usage_counts(outs)}
+        response = {**self.envelope(choices, chunk=False), "usage": usage_counts(outs)}
+        if self.prompt_logprobs and self.chat:  # as vLLM: a chat has one prompt, its logprobs beside the choices
+            response["prompt_logprobs"] = vllm_prompt_logprobs(outs[0].prompt_logprobs)
+        return response
 
     def chunks(self, index, out):
         events = []
@@ -920,8 +931,8 @@ class OpenAIFormat:
     def tail(self):
         return [b"data: [DONE]\n\n"]
 
-    def error(self, e):
-        return b"data: " + json.dumps(e.body()).encode() + b"\n\n"
+    def error(self, e):  # then [DONE], as vLLM ends a stream that failed
+        return b"data: " + json.dumps(e.body()).encode() + b"\n\n" + self.tail()[0]
 
 
 def echo_pieces(llm, out):
@@ -1103,6 +1114,8 @@ async def chat(request: Request):
     body = reject_unsupported(check_model(server, await read_json(request, Chat)))
     if body.top_logprobs is not None and not body.logprobs:
         raise ServerError("'top_logprobs' needs 'logprobs': true")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:  # (the engine's message would name its field, logprobs)
+        raise ServerError(f"top_logprobs must be an integer from 0 to 20, got {body.top_logprobs}", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
     params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

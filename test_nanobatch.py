@@ -267,6 +267,32 @@ def test_stop_strings_and_stop_token_ids(folder_llm):
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 
+def test_a_stop_token_has_no_text_and_min_tokens_holds_stop_strings(folder_llm):
+    """As vLLM: the token that ends the output (a stop id, or EOS) stays in token_ids but its text is
+    left out, unless include_stop_str_in_output; streamed (cumulative) or decoded once at the end
+    (final_only) alike. A stop string is not looked for in the first min_tokens tokens."""
+    prompt, decode = "The capital of France is", folder_llm.tokenizer.decode
+    full = folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop_id = full.token_ids[3]
+    first = full.token_ids[: full.token_ids.index(stop_id) + 1]
+    for kind in ("final_only", "cumulative"):
+        for include in (False, True):
+            params = SamplingParams(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include, output_kind=kind, **GREEDY)
+            request_id, outputs = folder_llm.add_request(prompt, params), []
+            while folder_llm.has_unfinished_requests():
+                outputs += [o for o in folder_llm.step() if o.request_id == request_id]
+            c = outputs[-1].outputs[0]
+            assert c.token_ids == first and c.text == decode(first if include else first[:-1]), (kind, include)
+    eos = folder_llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    forced = SamplingParams(max_tokens=3, logit_bias={eos: 100.0}, temperature=0.0, skip_special_tokens=False)
+    assert folder_llm.generate(["Hello"], forced, use_tqdm=False)[0].outputs[0].text == ""
+    kept = dataclasses.replace(forced, include_stop_str_in_output=True)
+    assert folder_llm.generate(["Hello"], kept, use_tqdm=False)[0].outputs[0].text == "<|im_end|>"
+    word = decode(full.token_ids[:1])
+    held = folder_llm.generate([prompt], SamplingParams(max_tokens=4, stop=[word], min_tokens=1, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert held.token_ids == full.token_ids[:4] and held.finish_reason == "length", "the first token's text is not a stop"
+
+
 def test_eos_ends_the_output(tiny_llm):
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     eos_as = greedy[3]
@@ -938,6 +964,27 @@ def test_preemption_keeps_seeded_samples(tiny_models, tiny_llm):
     assert small.allocator.num_free_blocks == small.allocator.num_blocks
 
 
+def test_logit_bias_is_clamped_to_openais_range(tiny_llm):
+    """A bias beyond float32 (1e39) would make inf, and -inf + inf NaN: clamped to 100, it forces its token."""
+    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    token = next(t for t in range(10, 100) if t not in greedy)
+    for bias in (100.0, 1e39):
+        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, logit_bias={token: bias}, top_p=0.9, **GREEDY), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == [token] * 3, bias
+
+
+def test_progress_bar_counts_its_own_requests(tiny_llm):
+    """generate()'s bar counts its own requests; one queued earlier runs along, its tokens in the bar's total."""
+    earlier = tiny_llm.add_request([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))  # cumulative: an output every step
+    ours = tiny_llm.add_request([8, 9], SamplingParams(max_tokens=5, output_kind="final_only", **GREEDY))
+    bar = nanobatch._GenerateProgress(tiny_llm, [ours])
+    assert bar.bar.total == 25
+    while tiny_llm.has_unfinished_requests():
+        bar.update(tiny_llm.step())
+    assert (bar.num_done, bar.bar.n, bar.bar.total) == (1, 25, 25) and earlier not in bar.bounds
+    bar.close()
+
+
 def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_llm):
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
@@ -1257,6 +1304,8 @@ def test_invalid_structured_outputs_params(kwargs, message):
     (dict(regex="(["), "structured_outputs.regex does not compile"),
     (dict(grammar="root ::= missing"), "structured_outputs.grammar does not compile"),
     (dict(json={"type": "strange"}), "structured_outputs.json does not compile"),
+    (dict(regex="[^\\s\\S]"), "structured_outputs.regex allows no output"),  # no character at all
+    (dict(grammar="root ::= root"), "structured_outputs.grammar allows no output"),
 ])
 def test_constraint_that_does_not_compile_fails_at_add_request(tiny_llm, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -1267,6 +1316,18 @@ def test_constraint_that_does_not_compile_fails_at_add_request(tiny_llm, kwargs,
     assert len(tiny_llm.generate("hi", constrained(choice=["a", "b"]), use_tqdm=False)[0].outputs[0].text) == 1, "the engine stays usable"
     with pytest.raises(ValueError, match="SamplingParams.structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+def test_a_grammar_at_a_dead_end_ends_its_request_alone(tiny_llm):
+    """A grammar can start and later allow no token at all: its request ends there ("abort", as vLLM),
+    the rest of the batch runs on, and every block goes back."""
+    dead_end = constrained(grammar='root ::= "a" b\nb ::= b', max_tokens=8)
+    plain = SamplingParams(max_tokens=8, **GREEDY)
+    alone = tiny_llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    stuck, other = tiny_llm.generate(["hi", "hello"], [dead_end, plain], use_tqdm=False)
+    assert stuck.outputs[0].finish_reason == "abort" and stuck.outputs[0].text.startswith("a") and len(stuck.outputs[0].token_ids) == 2
+    assert other.outputs[0].token_ids == alone
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
 @pytest.mark.parametrize("body,expected", [
@@ -1618,6 +1679,8 @@ def test_tp_without_tp_py_names_the_missing_file(monkeypatch):
         ("presence_penalty", 2.5, "SamplingParams.presence_penalty"),
         ("frequency_penalty", "1", "SamplingParams.frequency_penalty"),
         ("repetition_penalty", 0, "SamplingParams.repetition_penalty"),
+        ("repetition_penalty", 1e-300, "SamplingParams.repetition_penalty"),  # 0 in float32
+        ("temperature", 1e39, "SamplingParams.temperature"),  # inf in float32
         ("logit_bias", {-1: 1.0}, "SamplingParams.logit_bias"),
         ("logit_bias", {5: float("nan")}, "SamplingParams.logit_bias"),
         ("min_tokens", 17, "SamplingParams.min_tokens"),
@@ -1655,6 +1718,8 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=1000)), "KV blocks"),  # 768 slots in the pool
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "max_tokens=100000 cannot be greater than max_model_len=1024"),  # vLLM's words
         (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
+        (lambda: llm.add_request("x", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias has token id 1000000, outside the vocabulary"),
+        (lambda: llm.add_request("x", SamplingParams(stop_token_ids=[10**6], min_tokens=2)), "stop_token_ids has token id 1000000"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -3229,6 +3294,18 @@ def test_metrics_count_the_requests_sent(server):
     assert after[("vllm:kv_cache_usage_perc", None)] == 0
 
 
+def test_metrics_leave_out_a_refused_batch(server):
+    """A batch refused with a 400 (its second prompt is too long) ran nowhere: /metrics counts none of it."""
+    wait_all_blocks_free(server)
+    before = metric_values(server)
+    assert post(server, "/v1/completions", {"prompt": ["Metrics refused", "x " * 5000], "max_tokens": 2})[0] == 400
+    assert post(server, "/v1/completions", {"prompt": "Metrics after", "max_tokens": 2, **GREEDY_JSON})[0] == 200  # steps past the aborts
+    after = metric_values(server)
+    delta = lambda name, reason=None: after.get((name, reason), 0) - before.get((name, reason), 0)  # noqa: E731
+    assert delta("vllm:request_success_total", "abort") == 0 and delta("vllm:request_success_total", "length") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1 and delta("vllm:request_prompt_tokens_count") == 1
+
+
 # vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
 # made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
 VLLM_METRICS = {
@@ -3343,6 +3420,26 @@ def test_idle_and_slow_connections_are_cut_and_requests_still_answered(server_mo
     assert num_fds() <= fds_before + 2 and threading.active_count() <= threads_before
     assert post(at_url(url), "/generate", {"prompt": "again", "max_tokens": 2})[0] == 200
     srv.stop()
+
+
+def test_nothing_posted_during_shutdown_waits_forever(tiny_llm):
+    """stop() drains the inbox once, then fails what is running: a call posted after the drain, while the
+    engine thread is still alive, gets a 503 at once instead of waiting on an inbox nobody reads."""
+    import server as server_module
+
+    engine = server_module.EngineLoop(tiny_llm)
+    draining, release, fail_all = threading.Event(), threading.Event(), engine._fail_all
+    engine._fail_all = lambda error: (draining.set(), release.wait(30), fail_all(error))  # holds the thread after the drain
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    assert draining.wait(10) and engine.thread.is_alive()
+    result = []
+    caller = threading.Thread(target=lambda: result.append(pytest.raises(server_module.ServerError, engine.call, lambda llm: 1)), daemon=True)
+    caller.start()
+    caller.join(5)
+    release.set()
+    stopper.join(10)
+    assert not caller.is_alive() and "not running" in str(result[0].value)
 
 
 def at_url(test_url):
@@ -3462,6 +3559,8 @@ def test_cli_reads_stdin_with_chat_template(tiny_models):
         (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-num-seqs", "4096"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (4096)"),
         (["--prompts", "PROMPTS", "--beam-width", "2", "--n", "3", "--seed", "1"], "--beam-width does not take --n, --seed"),
         (["--prompts", "PROMPTS", "--beam-width", "2", "--temperature", "0.5", "--stop", "x", "--regex", "a"], "--beam-width does not take --temperature, --stop, --regex"),
+        (["--serve", "--prompts", "PROMPTS", "--temperature", "0.3", "--max-tokens", "9"], "--serve does not take --prompts, --max-tokens, --temperature"),
+        (["--prompts", "PROMPTS", "--port", "9000"], "--port would be ignored without --serve"),
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, message):
