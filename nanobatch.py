@@ -117,7 +117,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens (a grammar still can)
-    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS included) that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
     structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
@@ -1184,6 +1184,8 @@ class LLM:
         has text, which leaves its text out unless include_stop_str_in_output; then the text grows and may
         end with a stop string. Before min_tokens only a grammar's end or the length limit ends it."""
         params, num_output = seq.request.params, seq.num_output_tokens
+        if seq.finish_reason is not None:  # a grammar's dead end (advance_grammar) ended it already
+            return
         if num_output >= params.min_tokens and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif (num_output >= params.min_tokens and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
@@ -1357,6 +1359,7 @@ def check_sampling_params(p: SamplingParams):
     ])
     if p.top_k == -1:
         p.top_k = 0
+    p.logit_bias = {t: min(max(b, -100.0), 100.0) for t, b in p.logit_bias.items()}  # OpenAI's range, as vLLM's server
 
 
 def check_fits(llm, token_ids, params):
@@ -1818,7 +1821,7 @@ def apply_penalties(logits, seqs, eos_token_ids):
             stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
             logits[row, stops] = -math.inf
         if p.logit_bias:
-            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device).clamp(-100, 100)
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         if p.has_penalties:
             penalized.append(row)
     if not penalized:
@@ -2277,7 +2280,8 @@ class _GenerateProgress:
         self.llm, self.ours, self.num_done = llm, set(request_ids), 0
         self.bounds = {i: r.params.n * min(r.params.max_tokens or math.inf, llm.max_model_len - len(r.prompt_token_ids))
                        for i, r in llm.requests.items()}  # most output tokens (a beam search's params: its beams')
-        done = sum(s.num_output_tokens for r in llm.requests.values() for s in r.seqs)  # by requests queued earlier
+        done = sum(s.num_output_tokens for r in llm.requests.values() if r.beam is None for s in r.seqs)  # by requests queued earlier
+        # (a beam search's tokens are counted when it ends, all at once)
         self.bar = tqdm(total=sum(self.bounds.values()), initial=done, desc="generating", unit="tok", dynamic_ncols=True)
         self.start, self.num_out, self.num_prompt, self.num_cached = time.perf_counter(), llm.stats.num_output_tokens, 0, 0
 

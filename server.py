@@ -101,7 +101,7 @@ class ServerError(Exception):
         """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
         `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
         message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
-        field = re.match(r"([a-z_]+)(=| must | cannot | has | \S+ exceeds )", message)
+        field = re.match(r"([a-z_]+)(=| must | cannot | has token id | \S+ exceeds )", message)
         return cls(prefix + message, param=field and field.group(1))
 
     def body(self):
@@ -205,9 +205,10 @@ class EngineLoop:
     def _run(self):
         while True:
             idle = not self.llm.has_unfinished_requests()
-            for message in self._drain(block=idle):  # idle: sleep on the inbox, no busy loop
+            messages = self._drain(block=idle)  # idle: sleep on the inbox, no busy loop
+            for i, message in enumerate(messages):
                 if message[0] == "stop":
-                    return self._close()
+                    return self._close(messages[i + 1 :])
                 self._handle(message)
             if self.llm.has_unfinished_requests():
                 self._step()
@@ -302,11 +303,11 @@ class EngineLoop:
         except Exception:
             pass
 
-    def _close(self):
+    def _close(self, after_stop):
         closing = ServerError("the server is shutting down", 503)
         with self.closing:
             self.closed = True
-        for message in self._drain(block=False):  # whatever came in after "stop"
+        for message in after_stop + self._drain(block=False):  # whatever came in after "stop"
             if message[0] == "add":
                 message[1].deliver(closing)
             elif message[0] == "call":
@@ -1246,7 +1247,7 @@ class Server:
 
     def __init__(self, llm: LLM, config: ServerConfig, log_config=None):
         self.config = config
-        self.model_path = os.path.normpath(llm.config.model or default_model_path())
+        self.model_path = os.path.normpath(os.path.expanduser(llm.config.model or default_model_path()))
         self.model_name = config.served_model_name or served_model_name(llm)
         self.max_model_len, self.created = llm.max_model_len, int(time.time())
         self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
