@@ -1186,9 +1186,10 @@ class LLM:
         params, num_output = seq.request.params, seq.num_output_tokens
         if seq.finish_reason is not None:  # a grammar's dead end (advance_grammar) ended it already
             return
-        if num_output >= params.min_tokens and token_id in params.stop_token_ids:
+        may_stop = num_output >= params.min_tokens
+        if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif (num_output >= params.min_tokens and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
+        elif (may_stop and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
             seq.finish_reason = "stop"
         num_chars = len(seq.text)
         if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
@@ -2037,8 +2038,9 @@ def apply_grammar_masks(logits, seqs):
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[1])  # (S, ceil(vocab / 32)) int32 on the CPU, all allowed
-    rows = [row for row in rows if seqs[row].matcher.fill_next_token_bitmask(bitmask, row)]  # False: every token allowed
-    rows = [row for row in rows if bitmask[row].any()]  # none allowed: a dead end, left unmasked (advance_grammar ends it)
+    # fill_next_token_bitmask is False when every token is allowed; a row allowing none is a dead end,
+    # left unmasked (advance_grammar ends its request)
+    rows = [row for row in rows if seqs[row].matcher.fill_next_token_bitmask(bitmask, row) and bitmask[row].any()]
     if rows:
         xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
