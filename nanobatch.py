@@ -1756,31 +1756,46 @@ def freeze_gc_heap():
 # ---- Detokenization and stop strings ----
 
 
+CONTEXT_TOKENS = 4  # the prompt's last tokens, decoded before the output and cut off (see detokenize)
+
+
 def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
     """Incremental detokenization with the tokenizers library's DecodeStream: each token
-    costs O(1), the text grows by whole characters and equals a decode of all output
-    tokens (a SentencePiece tokenizer drops the first output token's leading space, as
-    decoding the output tokens alone does). flush: the tokens not yet in the text are
-    decoded in one call (up to output token `upto`): a character still cut in the middle at
-    the end comes out as the replacement character, as a plain decode gives it; for a request
-    whose text nobody reads before it ends (not text_each_step), that is every output token,
-    decoded once."""
+    costs O(1), the text grows by whole characters and reads as the output reads after the
+    prompt. The stream starts on the prompt's last tokens, as vLLM's does: a SentencePiece
+    decoder drops the leading space of a decode's first word ("Paris" for " Paris"). flush: the
+    tokens not yet in the text are decoded in one call (up to output token `upto`): a character
+    still cut in the middle at the end comes out as the replacement character, as a plain decode
+    gives it; for a request whose text nobody reads before it ends (not text_each_step), that is
+    every output token, decoded once."""
+    skip = seq.request.params.skip_special_tokens
     if flush:
         upto = seq.num_output_tokens if upto is None else upto
         if seq.num_detokenized < upto:
-            first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
-            rest = seq.token_ids[first + seq.num_detokenized : first + upto]
-            seq.text += tokenizer.decode(rest, skip_special_tokens=seq.request.params.skip_special_tokens)
+            start = len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized  # the first token not in the text
+            context = seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
+            seq.text += decode_after(tokenizer, context, seq.token_ids[start : start + upto - seq.num_detokenized], skip)
             seq.num_detokenized = upto
         return
     if seq.detokenizer is None:
         from tokenizers.decoders import DecodeStream
 
-        seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
+        seq.detokenizer = DecodeStream(skip_special_tokens=skip)
+        for t in seq.request.prompt_token_ids[-CONTEXT_TOKENS:]:  # the prompt's text is not the output's: pieces dropped
+            seq.detokenizer.step(tokenizer.backend_tokenizer, t)
     piece = seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
     if piece is not None:
         seq.text += piece
         seq.num_detokenized = seq.num_output_tokens
+
+
+def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
+    """The text of token_ids as it reads after the tokens of context: their decode together, less context's
+    own (or token_ids' decode alone, where context's text is not a prefix: a character cut between them)."""
+    before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    text = tokenizer.decode(context + token_ids, skip_special_tokens=skip_special_tokens)
+    return text[len(before):] if text.startswith(before) else tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
 
 def finish_text(tokenizer, seq):
     if isinstance(seq.stop_reason, str):  # a stop string already cut the text where it ends
@@ -2241,7 +2256,7 @@ def finish_beams(llm, request):
     now = time.perf_counter()
     request.metrics.first_token_time = request.metrics.first_token_time or now
     request.metrics.finished_time = now
-    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: decode_after(llm.tokenizer, request.prompt_token_ids[-CONTEXT_TOKENS:], ids)  # noqa: E731
     completions = request.beam.completions(len(request.prompt_token_ids), decode)
     llm.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)

@@ -658,6 +658,8 @@ def reject_unsupported(body):
     for name, (asked, why) in UNSUPPORTED_FIELDS.items():
         if asked(getattr(body, name, None), body):
             raise ServerError(f"'{name}' is not supported: {why}", param=name)
+    if getattr(body, "stream_options", None) is not None and not body.stream:  # as OpenAI's and vLLM's 400
+        raise ServerError("'stream_options' is only allowed with stream: true", param="stream_options")
     return body
 
 

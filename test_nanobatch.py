@@ -331,6 +331,34 @@ def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm
     assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False)
 
 
+def sentencepiece_tokenizer():
+    """A Llama-style SentencePiece tokenizer (a word starts with "▁", byte fallback), trained here: its
+    decoder drops the leading space of a decode's first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator(["The capital of France is Paris, and the capital of Italy is Rome."] * 20, trainers.BpeTrainer(vocab_size=320, special_tokens=specials))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_sentencepiece_output_keeps_its_leading_space(tmp_path):
+    """The output's text reads as it does after the prompt (vLLM's " Paris", not "Paris"), streamed or
+    decoded once at the end, sampled or from beam search: prompt text + output text = the decode of both."""
+    tokenizer = sentencepiece_tokenizer()
+    make_tiny_model(str(tmp_path), "llama-gqa-untied", tokenizer)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=16, **CPU)
+    prompt, word = "The capital of France", tokenizer.convert_tokens_to_ids("\u2581is")
+    for kind in ("cumulative", "final_only"):
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logit_bias={word: 100}, output_kind=kind), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[0] == word and out.text.startswith(" is"), (kind, out.text)
+        assert prompt + out.text == tokenizer.decode(tokenizer.encode(prompt) + out.token_ids)
+    beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0].sequences
+    assert all(prompt + b.text == tokenizer.decode(b.tokens, skip_special_tokens=True) for b in beams)
+
+
 def test_include_stop_str_in_output(folder_llm):
     prompt = "The capital of France is"
     full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
@@ -3175,6 +3203,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage'"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream_options' is only allowed with stream: true"),
     ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
 ]
 
