@@ -7,7 +7,7 @@ tokens per second compare like with like:
 
     nanobatch                   continuous batching over the paged KV cache: one llm.generate over all requests
     nanobatch-eager             nanobatch without its CUDA graphs (enforce_eager=True; on a CPU the same as nanobatch)
-    nanobatch-sampled           the same requests sampled with the seed quick-start's temperature=0.8, top_p=0.95
+    nanobatch-sampled           the same requests sampled with the vLLM quick-start's temperature=0.8, top_p=0.95
                                 (same output lengths: what sampling costs next to greedy)
     nanobatch-static            static batching through the same engine and model: consecutive batches of
                                 max_num_seqs requests, each running until its longest request ends
@@ -74,7 +74,7 @@ arch's limit (compile-time facts, not timings); exit status 1 if any config spil
 
 Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | vLLM | Roofline | Kernels | Report | CLI
 
-Run:  python bench.py                                    (the random workload, four systems: a few minutes on a CPU)
+Run:  python bench.py                                    (the random workload, its six systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
       python bench.py --workload structured                (JSON-schema constrained against unconstrained)
       python bench.py --workload beam --beam-width 4       (beam search: nanobatch next to HF's)
@@ -1430,7 +1430,7 @@ def run_kernels(args, device):
     print(format_kernel_table(timings, device_name, args.dtype))
     if device.type != "cuda":
         print("CPU: the engine's CPU path is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
-              "the issue-3 shapes and the Triton kernel run on a GPU.")
+              "the GPU shapes (decode 64 x 1024, prefill 8 x 512, split-KV 2 x 16k) and the Triton kernel run on a GPU.")
     if not all(t.outputs_agree for t in timings if t.outputs_agree is not None):
         print("warning: a paged kernel's output disagrees with SDPA's: the timings are not of equal work", file=sys.stderr)
     if args.json:

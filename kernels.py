@@ -708,7 +708,7 @@ def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, nu
 # planned once per step. Decode rows (one query each) then take one of two routes:
 #   - compiled loops (numba installed, caches in bf16 or fp32): _decode_attention_loops below, the
 #     attention as llama2.c writes it, reads each key and value in place in the paged cache, once.
-#     A decode step must read all of its K/V (~195 MB at batch 48 on the default model), and torch
+#     A decode step must read all of its K/V (~175 MiB at batch 48 on the default model), and torch
 #     ops cannot read it in place: they gather it first, so they move it about four times over;
 #   - batched torch ops (no numba, fp16 caches, or NANOBATCH_CPU_LOOPS=0): decode rows sorted by length, cut into groups
 #     of at most DECODE_GROUP_KEYS padded keys, so that little of a group is padding and its copies

