@@ -1790,11 +1790,14 @@ def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
 
 
 def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
-    """The text of token_ids as it reads after the tokens of context: their decode together, less context's
-    own (or token_ids' decode alone, where context's text is not a prefix: a character cut between them)."""
-    before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
-    text = tokenizer.decode(context + token_ids, skip_special_tokens=skip_special_tokens)
-    return text[len(before):] if text.startswith(before) else tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    """The text of token_ids as it reads after the tokens of context, as the stream gives it: their decode
+    together, less context's own. A character cut between them counts as the output's (context's text ends
+    in replacement characters that the joint decode completes); no cleanup of spaces, as in the stream."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)  # noqa: E731
+    before, text = decode(context), decode(context + token_ids)
+    if not text.startswith(before):
+        before = before.rstrip("\ufffd")
+    return text[len(before):] if text.startswith(before) else decode(token_ids)
 
 
 def finish_text(tokenizer, seq):
