@@ -1206,10 +1206,13 @@ class LLM:
         if finished:
             request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
             del self.requests[request.request_id]  # it ends exactly once: no later output
-        # a snapshot: the lists that grow are copied (callers and server threads may keep it while the engine runs on)
+        # a snapshot: the lists that grow are copied (callers and server threads may keep it while the engine runs on);
+        # a running sample holds back what could be the start of a stop string (cut off once complete), as vLLM's
+        params = request.params
+        hold = max(map(len, params.stop), default=1) - 1 if not params.include_stop_str_in_output else 0
         completions = [
             CompletionOutput(
-                s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
+                s.index, s.text[: max(0, len(s.text) - hold)] if hold and s.finish_reason is None else s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
                 list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob if s.logprobs is not None else None,
             )
             for s in request.seqs
@@ -1756,47 +1759,69 @@ def freeze_gc_heap():
 # ---- Detokenization and stop strings ----
 
 
-CONTEXT_TOKENS = 4  # the prompt's last tokens, decoded before the output and cut off (see detokenize)
+CONTEXT_TOKENS = 4  # at least this many of the prompt's last tokens are decoded before the output (see prompt_tail)
 
 
 def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
     """Incremental detokenization with the tokenizers library's DecodeStream: each token
     costs O(1), the text grows by whole characters and reads as the output reads after the
-    prompt. The stream starts on the prompt's last tokens, as vLLM's does: a SentencePiece
-    decoder drops the leading space of a decode's first word ("Paris" for " Paris"). flush: the
-    tokens not yet in the text are decoded in one call (up to output token `upto`): a character
-    still cut in the middle at the end comes out as the replacement character, as a plain decode
-    gives it; for a request whose text nobody reads before it ends (not text_each_step), that is
-    every output token, decoded once."""
-    skip = seq.request.params.skip_special_tokens
+    prompt. The stream starts on the prompt's last tokens (prompt_tail), as vLLM's does: a
+    SentencePiece decoder drops the leading space of a decode's first word ("Paris" for " Paris").
+    flush: the tokens not yet in the text are decoded in one call (up to output token `upto`), to
+    the same text (but where byte fallback made the stream start again, see stream_step): a character still cut in the middle at the end comes out as the replacement
+    character, as a plain decode gives it; for a request whose text nobody reads before it ends
+    (not text_each_step), that is every output token, decoded once."""
     if flush:
         upto = seq.num_output_tokens if upto is None else upto
         if seq.num_detokenized < upto:
-            start = len(seq.token_ids) - seq.num_output_tokens + seq.num_detokenized  # the first token not in the text
-            context = seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
-            seq.text += decode_after(tokenizer, context, seq.token_ids[start : start + upto - seq.num_detokenized], skip)
+            first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
+            start = first + seq.num_detokenized  # the first token not in the text
+            context = prompt_tail(tokenizer, seq.request.prompt_token_ids) if start == first else seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
+            seq.text += decode_after(tokenizer, context, seq.token_ids[start : first + upto], seq.request.params.skip_special_tokens)
             seq.num_detokenized = upto
         return
     if seq.detokenizer is None:
-        from tokenizers.decoders import DecodeStream
-
-        seq.detokenizer = DecodeStream(skip_special_tokens=skip)
-        for t in seq.request.prompt_token_ids[-CONTEXT_TOKENS:]:  # the prompt's text is not the output's: pieces dropped
-            seq.detokenizer.step(tokenizer.backend_tokenizer, t)
-    piece = seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
+        for t in prompt_tail(tokenizer, seq.request.prompt_token_ids):  # the prompt's text is not the output's: pieces dropped
+            stream_step(tokenizer, seq, t)
+    piece = stream_step(tokenizer, seq, token_id)
     if piece is not None:
         seq.text += piece
         seq.num_detokenized = seq.num_output_tokens
 
 
+def stream_step(tokenizer, seq, token_id):
+    """One token into the sequence's DecodeStream (made on first use). Byte fallback can rewrite text the
+    stream already gave out ("Invalid prefix"): the stream then starts again at this token, as vLLM's does."""
+    from tokenizers.decoders import DecodeStream
+
+    if seq.detokenizer is not None:
+        try:
+            return seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
+        except Exception as e:
+            if "Invalid prefix" not in str(e):
+                raise
+    seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
+    return seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
+
+
+def prompt_tail(tokenizer, prompt_ids):
+    """The prompt's last tokens that the output is decoded after, picked as vLLM picks them: the shortest
+    suffix of CONTEXT_TOKENS to 23 tokens whose text has no cut character, else the whole prompt."""
+    for n in range(CONTEXT_TOKENS, min(len(prompt_ids), 23) + 1):
+        if "\ufffd" not in tokenizer.decode(prompt_ids[-n:], skip_special_tokens=True):
+            return prompt_ids[-n:]
+    return prompt_ids
+
+
 def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
-    """The text of token_ids as it reads after the tokens of context, as the stream gives it: their decode
-    together, less context's own. A character cut between them counts as the output's (context's text ends
-    in replacement characters that the joint decode completes); no cleanup of spaces, as in the stream."""
+    """The text of token_ids as a DecodeStream stepped through context and then token_ids gives it: the
+    joint decode less what the stream gave out for context (its text up to the last token after which no
+    character was cut); no cleanup of spaces, as in the stream."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)  # noqa: E731
-    before, text = decode(context), decode(context + token_ids)
-    if not text.startswith(before):
-        before = before.rstrip("\ufffd")
+    k = len(context)
+    while k and decode(context[:k]).endswith("\ufffd"):
+        k -= 1
+    before, text = decode(context[:k]), decode(context + token_ids)
     return text[len(before):] if text.startswith(before) else decode(token_ids)
 
 
@@ -2259,7 +2284,7 @@ def finish_beams(llm, request):
     now = time.perf_counter()
     request.metrics.first_token_time = request.metrics.first_token_time or now
     request.metrics.finished_time = now
-    decode = lambda ids: decode_after(llm.tokenizer, request.prompt_token_ids[-CONTEXT_TOKENS:], ids)  # noqa: E731
+    decode = lambda ids: decode_after(llm.tokenizer, prompt_tail(llm.tokenizer, request.prompt_token_ids), ids)  # noqa: E731
     completions = request.beam.completions(len(request.prompt_token_ids), decode)
     llm.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)

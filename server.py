@@ -735,16 +735,6 @@ async def read_body(request):
 # Built in the event loop from RequestOutputs, which are snapshots (see EngineLoop).
 
 
-def visible_text(completion, params):
-    """The text a stream may send: a running sample holds back what could be the start
-    of a stop string (the engine cuts a stop string off the text once it is complete,
-    and a stream cannot take back what it sent)."""
-    hold = max(map(len, params.stop), default=1) - 1
-    if completion.finish_reason is not None or hold == 0:
-        return completion.text
-    return completion.text[: max(0, len(completion.text) - hold)]
-
-
 def usage_counts(outs):
     # echo with max_tokens 0 counts its one dropped token, as vLLM does (it is computed)
     num_prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -828,7 +818,7 @@ class GenerateFormat:
         self.deltas = StreamDeltas()
 
     def body(self, out, new_only):
-        body = {"text": [(out.prompt or "") + visible_text(c, self.params) for c in out.outputs]}
+        body = {"text": [(out.prompt or "") + c.text for c in out.outputs]}
         if self.params.logprobs is not None:
             entries = [c.logprobs or [] for c in out.outputs]
             if new_only:  # a stream sends each logprob once
@@ -915,7 +905,7 @@ class OpenAIFormat:
             events += [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True) for i in range(self.params.n)]
         for c in out.outputs:
             key = index * self.params.n + c.index
-            new = self.deltas.new(key, *self.parts(index, out, c, visible_text(c, self.params)))
+            new = self.deltas.new(key, *self.parts(index, out, c, c.text))
             if new is None:
                 continue
             delta, entries, finish_reason = new

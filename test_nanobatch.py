@@ -274,6 +274,24 @@ def test_stop_strings_and_stop_token_ids(folder_llm):
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 
+def test_a_streamed_text_only_grows_past_a_stop_string(tiny_llm):
+    """A stop string that spans two tokens: the step outputs hold back what could begin it (as vLLM's), so
+    the text never shows a character it later takes back, and ends where the stop string starts."""
+    def texts(params):
+        tiny_llm.add_request([5, 6, 7, 8], params, request_id="grow")
+        seen = []
+        while tiny_llm.has_unfinished_requests():
+            seen += [o.outputs[0].text for o in tiny_llm.step() if o.request_id == "grow"]
+        return seen
+
+    free = texts(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    final, ends = free[-1], [len(t) for t in free if t]  # where each step's text ended
+    stop = next(final[e - 1 : e + 1] for e in ends if e < len(final) and final.find(final[e - 1 : e + 1]) == e - 1)  # across a step's end
+    held = texts(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    assert all(b.startswith(a) for a, b in zip(held, held[1:])), held
+    assert held[-1] == final[: final.index(stop)]
+
+
 def test_a_stop_token_has_no_text_and_min_tokens_holds_stop_strings(folder_llm):
     """As vLLM: the token that ends the output (a stop id, or EOS) stays in token_ids but its text is
     left out, unless include_stop_str_in_output; streamed (cumulative) or decoded once at the end
@@ -367,19 +385,22 @@ def test_a_sentencepiece_output_keeps_its_leading_space(tmp_path):
 
 
 def test_decode_after_gives_the_streams_text():
-    """decode_after (the text decoded at once) equals the DecodeStream primed on the same context (the text
-    streamed), also where the context ends inside a character (byte fallback: "€" is three byte tokens)."""
-    from tokenizers.decoders import DecodeStream
-
+    """The text decoded at once (decode_after, after prompt_tail) equals the text streamed (a DecodeStream
+    primed on prompt_tail, stepped by stream_step), also where the prompt ends inside a character (byte
+    fallback: "€" is three byte tokens) and where byte fallback rewrites text the stream already gave
+    out (the stream starts again instead of failing the step, as vLLM's)."""
     tokenizer = sentencepiece_tokenizer()
     ids = tokenizer.encode("The capital € is Paris", add_special_tokens=False)
-    cut = tokenizer.convert_ids_to_tokens(ids).index("<0xE2>") + 1  # the context ends after the first of the three bytes
-    for context, tokens in [(ids[:cut], ids[cut:]), (ids[:2], ids[2:]), ([], ids), (ids, [])]:
-        stream = DecodeStream(skip_special_tokens=False)
-        for t in context:
-            stream.step(tokenizer.backend_tokenizer, t)
-        streamed = "".join(piece or "" for piece in (stream.step(tokenizer.backend_tokenizer, t) for t in tokens))
-        assert nanobatch.decode_after(tokenizer, context, tokens, skip_special_tokens=False) == streamed
+    cut = tokenizer.convert_ids_to_tokens(ids).index("<0xE2>") + 1  # the prompt ends after the first of the three bytes
+    smiley, (f0, word) = tokenizer.encode("😀", add_special_tokens=False), tokenizer.convert_tokens_to_ids(["<0xF0>", "▁is"])
+    cases = [(ids[:cut], ids[cut:]), (ids[:2], ids[2:]), (ids[:1], ids[1:]), (ids, [word]), (smiley, [f0, word])]
+    for prompt, tokens in cases:  # the last: <0xF0> turns the smiley's bytes into five "�", so the stream starts again at "▁is"
+        seq = types.SimpleNamespace(detokenizer=None, request=types.SimpleNamespace(params=SamplingParams(skip_special_tokens=False)))
+        for t in nanobatch.prompt_tail(tokenizer, prompt):
+            nanobatch.stream_step(tokenizer, seq, t)
+        streamed = "".join(piece or "" for piece in (nanobatch.stream_step(tokenizer, seq, t) for t in tokens))
+        once = nanobatch.decode_after(tokenizer, nanobatch.prompt_tail(tokenizer, prompt), tokens, skip_special_tokens=False)
+        assert once == streamed or (prompt == smiley and (once, streamed) == ("� is", "is")), (prompt, tokens, once, streamed)
     assert nanobatch.decode_after(tokenizer, ids[:cut], ids[cut:], skip_special_tokens=False) == "€ is Paris"
 
 
