@@ -1768,7 +1768,7 @@ def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
     prompt. The stream starts on the prompt's last tokens (prompt_tail), as vLLM's does: a
     SentencePiece decoder drops the leading space of a decode's first word ("Paris" for " Paris").
     flush: the tokens not yet in the text are decoded in one call (up to output token `upto`), to
-    the same text (but where byte fallback made the stream start again, see stream_step): a character still cut in the middle at the end comes out as the replacement
+    the same text (but where byte fallback rewrites text the stream gave out, see stream_step): a character still cut in the middle at the end comes out as the replacement
     character, as a plain decode gives it; for a request whose text nobody reads before it ends
     (not text_each_step), that is every output token, decoded once."""
     if flush:
@@ -2284,7 +2284,8 @@ def finish_beams(llm, request):
     now = time.perf_counter()
     request.metrics.first_token_time = request.metrics.first_token_time or now
     request.metrics.finished_time = now
-    decode = lambda ids: decode_after(llm.tokenizer, prompt_tail(llm.tokenizer, request.prompt_token_ids), ids)  # noqa: E731
+    tail = prompt_tail(llm.tokenizer, request.prompt_token_ids)
+    decode = lambda ids: decode_after(llm.tokenizer, tail, ids)  # noqa: E731
     completions = request.beam.completions(len(request.prompt_token_ids), decode)
     llm.stats.num_output_tokens += sum(len(c.token_ids) for c in completions)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, True, request.num_cached_tokens or 0, request.metrics)
