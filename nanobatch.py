@@ -1768,9 +1768,10 @@ def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
     prompt. The stream starts on the prompt's last tokens (prompt_tail), as vLLM's does: a
     SentencePiece decoder drops the leading space of a decode's first word ("Paris" for " Paris").
     flush: the tokens not yet in the text are decoded in one call (up to output token `upto`), to
-    the same text (but where byte fallback rewrites text the stream gave out, see stream_step): a character still cut in the middle at the end comes out as the replacement
-    character, as a plain decode gives it; for a request whose text nobody reads before it ends
-    (not text_each_step), that is every output token, decoded once."""
+    the same text (but where byte fallback rewrites text the stream gave out, see stream_step): a
+    character still cut in the middle at the end comes out as the replacement character, as a plain
+    decode gives it; for a request whose text nobody reads before it ends (not text_each_step), that
+    is every output token, decoded once."""
     if flush:
         upto = seq.num_output_tokens if upto is None else upto
         if seq.num_detokenized < upto:
@@ -1792,14 +1793,14 @@ def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
 def stream_step(tokenizer, seq, token_id):
     """One token into the sequence's DecodeStream (made on first use). Byte fallback can rewrite text the
     stream already gave out ("Invalid prefix"): the stream then starts again at this token, as vLLM's does."""
-    from tokenizers.decoders import DecodeStream
-
     if seq.detokenizer is not None:
         try:
             return seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
         except Exception as e:
             if "Invalid prefix" not in str(e):
                 raise
+    from tokenizers.decoders import DecodeStream  # (imported here, off the per-token path)
+
     seq.detokenizer = DecodeStream(skip_special_tokens=seq.request.params.skip_special_tokens)
     return seq.detokenizer.step(tokenizer.backend_tokenizer, token_id)
 

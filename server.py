@@ -658,7 +658,7 @@ def reject_unsupported(body):
     for name, (asked, why) in UNSUPPORTED_FIELDS.items():
         if asked(getattr(body, name, None), body):
             raise ServerError(f"'{name}' is not supported: {why}", param=name)
-    if getattr(body, "stream_options", None) is not None and body.stream_options.model_fields_set and not body.stream:  # vLLM's 400 ({} passes)
+    if (options := getattr(body, "stream_options", None)) and options.model_fields_set and not body.stream:  # vLLM's 400 ({} passes)
         raise ServerError("'stream_options' is only allowed with stream: true", param="stream_options")
     return body
 
