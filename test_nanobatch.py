@@ -404,6 +404,19 @@ def test_decode_after_gives_the_streams_text():
     assert nanobatch.decode_after(tokenizer, ids[:cut], ids[cut:], skip_special_tokens=False) == "€ is Paris"
 
 
+def test_prompt_tail_is_the_shortest_suffix_without_a_cut_character(default_tokenizer):
+    """vLLM's rule, on the default (byte-level BPE) tokenizer, where "🦙" is three byte tokens: the last
+    4 tokens; a longer suffix where the last 4 start inside a character; the whole prompt where every
+    suffix has a cut character (the prompt ends inside one)."""
+    tokenizer, encode = default_tokenizer, lambda s: default_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    words, llama = encode("The capital of France is"), encode("🦙")
+    assert len(llama) == 3 and len(words) > 4
+    assert nanobatch.prompt_tail(tokenizer, words) == words[-4:]
+    two = encode(" is")[:1] + encode(" big")[:1]
+    assert nanobatch.prompt_tail(tokenizer, words + llama + two) == llama + two  # 4 tokens would start inside the llama
+    assert nanobatch.prompt_tail(tokenizer, words + llama[:2]) == words + llama[:2]
+
+
 def test_include_stop_str_in_output(folder_llm):
     prompt = "The capital of France is"
     full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
