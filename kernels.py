@@ -288,7 +288,7 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 
 
 # ---- Triton: paged_attention ----
-# Grid (num_q_blocks, num_kv_heads). A program owns one kv head and BLOCK_Q
+# Grid (num_q_blocks, num_kv_heads, segments: 1 unless split-KV). A program owns one kv head and BLOCK_Q
 # consecutive query tokens of one sequence. GQA packing: the NUM_QUERIES_PER_KV
 # query heads that read this kv head all go into the rows of one tile,
 #     row = token_in_block * NUM_QUERIES_PER_KV + head_in_group,
@@ -352,7 +352,7 @@ def _paged_attention_kernel(
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     # the sequence of this query block: the last s with first[s] <= q_block (binary search; first[0] = 0)
-    lo = q_block * 0  # an int32 scalar, like hi
+    lo = q_block * 0  # 0 as an int32 tensor, not Python's 0: the while loop needs lo to keep one type, like hi
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -469,7 +469,8 @@ def _merge_segments_kernel(
 # spill bytes and shared memory within SHARED_LIMIT; `python bench.py --kernels --static` compiles
 # them all (compile_static below, no GPU needed) and the README carries its table. Why the rules:
 #   - fp32 has no tensor-core path: with IEEE precision (no TF32) tl.dot is FMAs on registers, so its
-#     tiles are a quarter of the 16-bit ones (a 64x64 fp32 score tile alone is 32 registers a thread);
+#     tiles are 16 rows x 16-32 keys, against 16-bit's 16x64 (decode) and 64x32 (prefill) (a 64x64 fp32
+#     score tile alone is 32 registers a thread);
 #     so is 16-bit on sm_75, where Triton has no mma path (its fp16 tiles spill there at 255 registers);
 #   - prefill reuses each K/V tile over BLOCK_M rows, so its rows are many and its key tile small
 #     (32, as vLLM's unified attention); head_dim 256 halves the key tile again;
@@ -493,7 +494,7 @@ def tile_config(cc, dtype, head_dim_padded, group, phase):
         # more threads share the (16, head_dim) accumulator as it widens: at 4 warps ptxas spills from head_dim 128
         num_warps = max(4, head_dim_padded // 16)
         if cc == 80 and head_dim_padded == 128:
-            num_warps = 16  # ptxas spills 16 B at 8 warps there (fp32 split, GQA 1); on sm_90 it spills at 16
+            num_warps = 16  # ptxas spills 16 B at 8 warps there (fp32 split, GQA 1; Triton 3.9)
         return max(16, triton.next_power_of_2(group)), tile_n, num_warps
     if phase == "prefill":  # 64 rows reuse each K/V tile; head_dim 256 needs 8 warps not to spill
         block_m, tile_n, num_warps = 64, 16 if head_dim_padded > 128 else 32, 8 if head_dim_padded > 128 else 4
@@ -600,7 +601,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 # triton.compile with a GPUTarget runs Triton's real compiler for any compute capability without a GPU:
 # the PTX it makes, assembled by the ptxas in the triton wheel (-v), gives registers and spill bytes,
 # and the compiled kernel's metadata its shared memory. These are compile-time facts, not timings.
-# The pointer and stride arguments are hinted 16-aligned, as the launcher specializes them.
+# The pointer and stride arguments are hinted 16-aligned, as the launcher specializes them (but for the
+# ones marked do_not_specialize).
 
 _POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
                    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
@@ -628,7 +630,8 @@ def _compile_for(fn, cc, dtype, consts, num_warps):
 
     sig = {name: "constexpr" if name in consts else _POINTER_DTYPES.get(name, "*" + dtype) if name.endswith("_ptr")
            else "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr") or name.startswith("stride")}
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if (name.endswith("_ptr") or name.startswith("stride")) and name not in unspecialized}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     compiled = triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))
     return (*_ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
