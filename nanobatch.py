@@ -132,7 +132,7 @@ class SamplingParams:
     @property
     def text_each_step(self):
         # the text is read as it grows: streamed (cumulative outputs) or searched for stop strings; else it
-        # is decoded once, when the request ends (detokenize)
+        # is decoded once, when the request ends (finish_text)
         return self.output_kind != "final_only" or bool(self.stop)
 
 
@@ -957,7 +957,7 @@ class LLM:
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.allocator)
         # every running sequence's block table, kept on the host and updated in place (Part II: host-speed habits)
-        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size), self.device)
+        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size))
         self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
@@ -967,8 +967,8 @@ class LLM:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
-        if self.tp is not None and self.tp.rank > 0:
-            self.tp.serve(self)  # hook (tp.py): ranks > 0 run the model on rank 0's steps, then exit
+        if self.tp is not None:
+            self.tp.ready(self)  # hook (tp.py): ranks > 0 now run the model on rank 0's steps, then exit
 
     def _set_max_model_len(self, hf_config, model_config):
         """Sets self.max_model_len: load_model calls it on the model's config, before the weights load."""
@@ -1091,7 +1091,6 @@ class LLM:
         """One iteration of continuous batching: schedule, run the model once over the packed batch,
         sample, and return an output for every request that got a token (or ended) in this step."""
         batch = self.scheduler.schedule()  # 1. who runs this step, with how many tokens each
-        record_stats(self, batch)  # hook (Stats)
         if not batch.seqs:
             return self._collect_aborted()
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
@@ -1101,6 +1100,7 @@ class LLM:
             self.tp.broadcast_step(batch.block_copies, input_ids, positions, meta)
         logits = run_model(self, input_ids, positions, meta)  # 4. hook (CUDA graphs): (sampled + prompt-logprob rows, vocab)
         self.scheduler.mark_computed(batch)  # 5. the new K/V are cached: full blocks become shareable
+        record_stats(self, batch)  # hook (Stats), after 5: the blocks in use hold this step's tokens
         if prompt_spans:  # hook (Logprobs): the prompt positions' rows
             record_prompt_logprobs(self, logits[len(seqs) :], prompt_spans)
             logits = logits[: len(seqs)]
@@ -1265,7 +1265,7 @@ class LLM:
 # Everything below joins the engine at a named place: check_* / validate_prompts / tokenize_prompt
 # (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
-# BlockTables (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
+# BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
 # (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
 # track_token (Logprobs and the per-token state), StructuredOutputManager / grammar_terminated
 # (Structured outputs), step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks
@@ -1329,13 +1329,17 @@ def check_device(name):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device is {name!r} but CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device is {name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {name!r}")
 
 
 def check_sampling_params(p: SamplingParams):
-    p.stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-    p.stop_token_ids, p.logit_bias = list(p.stop_token_ids or []), dict(p.logit_bias or {})
+    p.stop = [p.stop] if isinstance(p.stop, str) else p.stop
+    for name, kinds in (("stop", (list, tuple)), ("stop_token_ids", (list, tuple)), ("logit_bias", (dict,))):
+        value = getattr(p, name)  # None means none; a value of another type is left for its rule below to name
+        setattr(p, name, kinds[0]() if value is None else kinds[0](value) if isinstance(value, kinds) else value)
     logprobs_rule = lambda v: v is None or (_int(v) and 0 <= v <= 20)  # noqa: E731
     check_fields(p, "SamplingParams.", [
         ("n", lambda v: _int(v) and v >= 1, "must be an integer >= 1"),
@@ -1344,15 +1348,15 @@ def check_sampling_params(p: SamplingParams):
         ("top_k", lambda v: _int(v) and -1 <= v < 2**31, "must be an integer >= 1 (below 2**31), or 0 / -1 to disable it"),
         ("min_p", lambda v: _num(v) and 0 <= v <= 1, "must be in [0, 1]"),
         ("max_tokens", lambda v: v is None or (_int(v) and v >= 1), "must be an integer >= 1 or None"),
-        ("stop", lambda v: all(isinstance(s, str) and s for s in v), "must be a non-empty string or a list of them"),
-        ("stop_token_ids", _token_ids, "must be a list of token ids (integers >= 0)"),
+        ("stop", lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "must be a non-empty string or a list of them"),
+        ("stop_token_ids", lambda v: isinstance(v, list) and _token_ids(v), "must be a list of token ids (integers >= 0)"),
         ("seed", lambda v: v is None or (_int(v) and 0 <= v < 2**63), "must be an integer from 0 to 2**63 - 1, or None"),
         ("logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
         ("prompt_logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
         ("presence_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
         ("frequency_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
         ("repetition_penalty", lambda v: _num(v) and 1e-30 <= v <= 1e30, "must be a number from 1e-30 to 1e30 (1 means none)"),
-        ("logit_bias", lambda v: _token_ids(v) and all(_num(b) and math.isfinite(b) for b in v.values()),
+        ("logit_bias", lambda v: isinstance(v, dict) and _token_ids(v) and all(_num(b) and math.isfinite(b) for b in v.values()),
          "must map token ids (integers >= 0) to finite numbers"),
         ("min_tokens", lambda v: _int(v) and 0 <= v <= (p.max_tokens or math.inf), "must be an integer >= 0 and at most max_tokens"),
         ("ignore_eos", lambda v: isinstance(v, bool), "must be a bool"),
@@ -1377,7 +1381,8 @@ def check_fits(llm, token_ids, params):
     if len(token_ids) >= llm.max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
     if params.n > llm.config.max_num_seqs:
-        raise ValueError(f"SamplingParams.n {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
+        name = "BeamSearchParams.beam_width" if num_beams > 1 else "SamplingParams.n"
+        raise ValueError(f"{name} {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
     for name in ("stop_token_ids", "logit_bias"):  # (a mask or a bias indexes the logits by these ids)
         if bad := [t for t in getattr(params, name) if t >= llm.model_config.vocab_size]:
             raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary (0..{llm.model_config.vocab_size - 1})")
@@ -1575,7 +1580,7 @@ def profile_run(llm):
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
 
-    longest = min(llm.max_model_len, c.max_num_batched_tokens)
+    longest = min(llm.max_model_len, c.max_num_batched_tokens)  # the step's budget cut into chunks no longer than a sequence:
     lens = [min(longest, c.max_num_batched_tokens - s) for s in range(0, c.max_num_batched_tokens, longest)]
     peak = peak_of(lens, llm.max_model_len, c.max_num_seqs, sample=True)
     if graphs_wanted(llm):  # (the graphs' steps sample eagerly, within the peak above)
@@ -1715,12 +1720,12 @@ def record_stats(llm, batch):
 
 
 class BlockTables:
-    """The block tables of the running sequences, kept in one persistent host tensor (pinned on
-    CUDA): each running sequence owns a row, a step writes only the block ids that changed, and
-    the batch's rows are gathered with one index op, not rebuilt from nested lists every step."""
+    """The block tables of the running sequences, kept in one persistent host tensor: each running
+    sequence owns a row, a step writes only the block ids that changed, and the batch's rows are
+    gathered with one index op (a new tensor, copied to the device), not rebuilt from nested lists."""
 
-    def __init__(self, num_rows, max_blocks_per_seq, device):
-        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=device.type == "cuda")  # (rows, max blocks)
+    def __init__(self, num_rows, max_blocks_per_seq):
+        self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32)  # (rows, max blocks)
         self.free_rows = list(range(num_rows))
         self.row_of = {}  # running sequence -> its row
         self.synced = {}  # running sequence -> the block ids its row holds
@@ -1762,25 +1767,11 @@ def freeze_gc_heap():
 CONTEXT_TOKENS = 4  # at least this many of the prompt's last tokens are decoded before the output (see prompt_tail)
 
 
-def detokenize(tokenizer, seq, token_id=None, flush=False, upto=None):
+def detokenize(tokenizer, seq, token_id):
     """Incremental detokenization with the tokenizers library's DecodeStream: each token
     costs O(1), the text grows by whole characters and reads as the output reads after the
     prompt. The stream starts on the prompt's last tokens (prompt_tail), as vLLM's does: a
-    SentencePiece decoder drops the leading space of a decode's first word ("Paris" for " Paris").
-    flush: the tokens not yet in the text are decoded in one call (up to output token `upto`), to
-    the same text (but where byte fallback rewrites text the stream gave out, see stream_step): a
-    character still cut in the middle at the end comes out as the replacement character, as a plain
-    decode gives it; for a request whose text nobody reads before it ends (not text_each_step), that
-    is every output token, decoded once."""
-    if flush:
-        upto = seq.num_output_tokens if upto is None else upto
-        if seq.num_detokenized < upto:
-            first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
-            start = first + seq.num_detokenized  # the first token not in the text
-            context = prompt_tail(tokenizer, seq.request.prompt_token_ids) if start == first else seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
-            seq.text += decode_after(tokenizer, context, seq.token_ids[start : first + upto], seq.request.params.skip_special_tokens)
-            seq.num_detokenized = upto
-        return
+    SentencePiece decoder drops the leading space of a decode's first word ("Paris" for " Paris")."""
     if seq.detokenizer is None:
         for t in prompt_tail(tokenizer, seq.request.prompt_token_ids):  # the prompt's text is not the output's: pieces dropped
             stream_step(tokenizer, seq, t)
@@ -1827,10 +1818,20 @@ def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
 
 
 def finish_text(tokenizer, seq):
+    """The output tokens not yet in the text, decoded in one call: to the text the stream would give (but
+    where byte fallback rewrites text the stream gave out, see stream_step), and a character still cut
+    at the end comes out as the replacement character, as a plain decode gives it. For a request whose
+    text nobody reads before it ends (not text_each_step), that is every output token, decoded once."""
     if isinstance(seq.stop_reason, str):  # a stop string already cut the text where it ends
         return
     hidden = seq.finish_reason == "stop" and not seq.request.params.include_stop_str_in_output  # a stop token's text is left out
-    detokenize(tokenizer, seq, flush=True, upto=seq.num_output_tokens - hidden)
+    upto = seq.num_output_tokens - hidden
+    if seq.num_detokenized < upto:
+        first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
+        start = first + seq.num_detokenized  # the first token not in the text
+        context = prompt_tail(tokenizer, seq.request.prompt_token_ids) if start == first else seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
+        seq.text += decode_after(tokenizer, context, seq.token_ids[start : first + upto], seq.request.params.skip_special_tokens)
+        seq.num_detokenized = upto
 
 
 def truncate_at_stop_string(seq, num_chars_before):
@@ -2352,17 +2353,23 @@ class _GenerateProgress:
 # ---- CLI ----
 
 
+def read_text(path, what):
+    """A UTF-8 text file's contents ("-": stdin), or an error that names `what` (the flag and the file)."""
+    if path != "-" and not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+    with open(sys.stdin.fileno() if path == "-" else path, "rb", closefd=path != "-") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text (byte {e.start})") from None
+
+
 def read_prompts(path):
-    if path == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"prompts file {path!r} does not exist")
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+    lines = read_text(path, "--prompts file").replace("\r\n", "\n").split("\n")  # (splitlines would also cut at U+2028, \f, ...)
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise ValueError(f"prompts file {path!r} has no prompts (one per line, blank lines skipped)")
+        raise ValueError(f"--prompts file {path!r} has no prompts (one per line, blank lines skipped)")
     return prompts
 
 
@@ -2371,12 +2378,7 @@ def read_structured_outputs(json_schema_path, regex):
         raise ValueError("give --json-schema or --regex, not both")
     if regex is not None:
         return StructuredOutputsParams(regex=regex)
-    if json_schema_path is None:
-        return None
-    if not os.path.isfile(json_schema_path):
-        raise FileNotFoundError(f"--json-schema file {json_schema_path!r} does not exist")
-    with open(json_schema_path, encoding="utf-8") as f:
-        return StructuredOutputsParams(json=f.read())
+    return StructuredOutputsParams(json=read_text(json_schema_path, "--json-schema file")) if json_schema_path is not None else None
 
 
 def build_arg_parser():
@@ -2434,6 +2436,7 @@ def run_cli(args, parser):
         sys.modules.setdefault("nanobatch", sys.modules[__name__])
         import server  # the web stack loads only here
 
+        config = server.ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive)
         server.check_port_free(args.host, args.port)  # before the model load (seconds): a busy port fails at once
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -2442,6 +2445,10 @@ def run_cli(args, parser):
     )
     if args.beam_width is not None:  # the K best beams come out as the K outputs of each prompt
         params = BeamSearchParams(args.beam_width, max_tokens=args.max_tokens or SamplingParams.max_tokens, ignore_eos=args.ignore_eos)
+    try:  # opened now: an unwritable path fails before the model loads, not after the run
+        output = open(args.output, "w", encoding="utf-8") if args.output else None
+    except OSError as e:
+        raise OSError(f"--output file {args.output!r} cannot be written: {e.strerror}") from None
     llm = LLM(
         model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -2449,7 +2456,7 @@ def run_cli(args, parser):
         enforce_eager=args.enforce_eager,
     )
     if args.serve:
-        return server.serve(llm, server.ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive))
+        return server.serve(llm, config)
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts] if args.chat else prompts
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=not args.quiet)
@@ -2458,8 +2465,8 @@ def run_cli(args, parser):
         for prompt, out in zip(prompts, outputs):
             for c in out.outputs:
                 print(format_sample(prompt, c, len(out.outputs), beam=args.beam_width is not None))
-    if args.output:  # the prompt as the file gave it (not wrapped in the chat template)
-        with open(args.output, "w", encoding="utf-8") as f:
+    if output:  # the prompt as the file gave it (not wrapped in the chat template)
+        with output as f:
             for prompt, out in zip(prompts, outputs):
                 for c in out.outputs:
                     f.write(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}) + "\n")
@@ -2492,7 +2499,10 @@ def format_sample(prompt, c: CompletionOutput, num_outputs, beam=False):
         label = f" (sample {c.index + 1} of {num_outputs})" if num_outputs > 1 else ""
     text = c.text
     if not text:  # an empty line would read as a missing answer
-        text = "(empty: the model ended at once)" if c.finish_reason == "stop" and len(c.token_ids) <= 1 else "(empty: its tokens decode to no text)"
+        if isinstance(c.stop_reason, str):
+            text = f"(empty: the stop string {c.stop_reason!r} came first)"
+        else:
+            text = "(empty: the model ended at once)" if c.finish_reason == "stop" and len(c.token_ids) <= 1 else "(empty: its tokens decode to no text)"
     return f"--- prompt: {prompt!r}{label}\n{text}\n[{len(c.token_ids)} tokens, {c.finish_reason}]"
 
 
@@ -2502,13 +2512,12 @@ def cli_flags(parser):
 
 def in_cli_words(message, parser):
     """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
-    the flags --max-tokens and --max-num-seqs."""
-    flags = cli_flags(parser)
-
-    def flag(m):
-        return flags.get(m.group(1) or m.group(2), m.group(0))
-
-    return re.sub(r"\b(?:SamplingParams|BeamSearchParams|EngineConfig)\.(\w+)|\b([a-z]+(?:_[a-z]+)+)\b", flag, message)
+    the flags --max-tokens and --max-num-seqs; quoted values (paths, the user's text) stay as they are."""
+    flags = cli_flags(parser) | {"json": "--json-schema"}  # (StructuredOutputsParams.json)
+    fields = r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)\.(\w+)"
+    flag = lambda m: flags.get(m.group(1) or m.group(2), m.group(0))  # noqa: E731
+    parts = re.split(r"('[^']*'|\"[^\"]*\")", message)  # odd parts: the quoted ones
+    return "".join(p if i % 2 else re.sub(fields + r"|\b([a-z]+(?:_[a-z]+)+)\b", flag, p) for i, p in enumerate(parts))
 
 
 def main(argv=None):

@@ -84,6 +84,13 @@ class ServerConfig:
     limit_concurrency: int | None = None  # connections + requests in flight past which requests get a 503 (uvicorn's)
     timeout_keep_alive: int = 5  # seconds a connection gets to send each request head (from connecting, or its last response)
 
+    def __post_init__(self):
+        nanobatch.check_fields(self, "ServerConfig.", [
+            ("port", lambda v: nanobatch._int(v) and 0 <= v <= 65535, "must be an integer from 0 (any free port) to 65535"),
+            ("limit_concurrency", lambda v: v is None or (nanobatch._int(v) and v >= 1), "must be a positive integer or None"),
+            ("timeout_keep_alive", lambda v: nanobatch._int(v) and v >= 1, "must be a positive integer"),
+        ])
+
 
 class ServerError(Exception):
     """A request the server refuses or fails: sent as {"error": {"message", "type", "param", "code"}} with
@@ -378,6 +385,7 @@ class ServerMetrics:
         self.num_counted = {}  # request id -> its output tokens counted so far (engine thread)
         self.max_tokens = {}  # request id -> its max_tokens, from its admission to its end (engine thread)
         self.preemptions_read = 0  # llm.stats.num_preemptions at the last scrape
+        self.num_steps = 0  # llm.stats.num_steps at the last step's observation
 
     def _constant_series(self, llm, labels):
         """Series vLLM's dashboards expect, set up once: sleep states and admission rejections (constant here),
@@ -450,7 +458,8 @@ class ServerMetrics:
         self.max_tokens[request.request_id] = request.params.max_tokens or self.max_model_len - len(request.prompt_token_ids)
 
     def stepped(self, stats):
-        if stats.num_step_tokens:
+        if stats.num_steps != self.num_steps:  # the model ran (a step with nothing to run records no stats)
+            self.num_steps = stats.num_steps
             self.iteration_tokens.observe(stats.num_step_tokens)
 
     def read_engine(self, llm: LLM):
@@ -1280,7 +1289,10 @@ def check_port_free(host, port):
     SO_REUSEADDR, as the server's own socket: only a port someone listens on counts as busy."""
     if port == 0:
         return  # any free port: the server picks one
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot serve on host {host!r}: {e.strerror} (pick an address of this machine with --host)") from None
     try:
         socket.create_server((host, port), family=family).close()
     except OSError as e:

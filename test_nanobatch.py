@@ -883,6 +883,12 @@ def test_fully_cached_prompt_still_computes_its_last_token(folder_llm):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_kv_utilization_at_peak_counts_the_peak_steps_own_tokens(tiny_llm):
+    tiny_llm.stats = nanobatch.EngineStats()
+    tiny_llm.generate([list(range(100, 200))], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # one prefill step
+    assert tiny_llm.stats.peak_blocks_in_use == 7 and tiny_llm.stats.kv_utilization_at_peak == pytest.approx(100 / (7 * 16))
+
+
 def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial one, shared by the 4 samples
     tiny_llm.stats = nanobatch.EngineStats()
@@ -1669,7 +1675,7 @@ def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_tokenizer):
 
 def test_tp2_default_model(default_folder, reference_outputs):
     """The default model (its safetensors copy, each rank reading only its slices) on two ranks, its 3 KV
-    heads split 2 + 1 with their query heads: the reference workload's greedy tokens (its first 24 of
+    heads split 1 + 2 with their query heads: the reference workload's greedy tokens (its first 24 of
     each of 4 requests with a shared prefix, and a long one), with preemption and prefix caching on."""
     prompts, expected = reference_outputs
     prompts, expected = prompts[:3] + prompts[6:7], expected[:3] + expected[6:7]
@@ -1725,6 +1731,29 @@ def test_tp_shards_weights_and_reports_a_dead_rank(tp_odd_model):
         assert time.monotonic() - start < 10
 
 
+def test_tp_an_interrupted_step_or_a_failed_start_leaves_no_rank_waiting(tp_odd_model):
+    """Rank 0 stopped inside a step (Ctrl-C) leaves rank 1 inside a collective for good: the next step says
+    so at once and the ranks are killed, not waited for; an LLM that fails after its ranks started (its
+    error still holding it) does not block the next one."""
+    with tp_engine(tp_odd_model, num_kv_blocks=32, **CPU) as llm:
+        llm.add_request(list(range(10, 30)), SamplingParams(max_tokens=5, **GREEDY))
+        hook = llm.model.model.layers[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+        hook.remove()
+        start = time.monotonic()
+        with pytest.raises(tp.TPError, match="interrupted, so its ranks are out of step"):
+            llm.step()
+        assert time.monotonic() - start < 10 and not any(p.is_alive() for p in llm.tp.procs)
+        with pytest.raises(tp.TPError, match="were stopped"):
+            llm.step()
+    with pytest.raises(ValueError, match="exceeds the model's limit") as failed:  # after the spawn, in load_model
+        LLM(model=tp_odd_model, tensor_parallel_size=2, max_model_len=5000, **CPU)
+    with tp_engine(tp_odd_model, num_kv_blocks=32, **CPU) as llm:
+        assert len(llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert failed.value is not None
+
+
 def test_tp_bad_settings(tiny_models):
     """Checked before any rank starts: a size that does not divide the heads, or no size at all."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -1755,6 +1784,9 @@ def test_tp_without_tp_py_names_the_missing_file(monkeypatch):
         ("max_tokens", 0, "SamplingParams.max_tokens"),
         ("stop", [""], "SamplingParams.stop"),
         ("stop_token_ids", [-1], "SamplingParams.stop_token_ids"),
+        ("stop", 5, "SamplingParams.stop"),  # not a TypeError from list(5)
+        ("stop_token_ids", 5, "SamplingParams.stop_token_ids"),
+        ("logit_bias", [1, 2], "SamplingParams.logit_bias"),
         ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
         ("seed", 1.5, "SamplingParams.seed"),
         ("seed", -1, "SamplingParams.seed"),
@@ -1789,6 +1821,13 @@ def test_invalid_engine_config(field, value):
         EngineConfig(**{field: value})
 
 
+def test_a_cuda_device_this_machine_lacks_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device is 'cuda:7' but this machine has 1 CUDA device"):
+        EngineConfig(device="cuda:7")
+
+
 def test_bad_input_leaves_engine_usable(tiny_llm):
     llm = tiny_llm
     good = SamplingParams(max_tokens=4, **GREEDY)
@@ -1804,6 +1843,7 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=1000)), "KV blocks"),  # 768 slots in the pool
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "max_tokens=100000 cannot be greater than max_model_len=1024"),  # vLLM's words
         (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
+        (lambda: llm.add_request("x", BeamSearchParams(beam_width=1000, max_tokens=2)), "BeamSearchParams.beam_width 1000 exceeds max_num_seqs"),
         (lambda: llm.add_request("x", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias has token id 1000000, outside the vocabulary"),
         (lambda: llm.add_request("x", SamplingParams(stop_token_ids=[10**6], min_tokens=2)), "stop_token_ids has token id 1000000"),
     ]
@@ -2857,7 +2897,7 @@ def test_server_beam_search(server, server_model_dir):
 
 
 def test_openai_client(server):
-    from openai import OpenAI
+    OpenAI = pytest.importorskip("openai").OpenAI
 
     client = OpenAI(base_url=server.test_url + "/v1", api_key="x", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
@@ -2880,7 +2920,7 @@ def test_openai_client(server):
 
 
 def openai_client(url):
-    from openai import OpenAI
+    OpenAI = pytest.importorskip("openai").OpenAI
 
     return OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -3653,12 +3693,19 @@ def test_cli_reads_stdin_with_chat_template(tiny_models):
         (["--prompts", "PROMPTS", "--beam-width", "2", "--temperature", "0.5", "--stop", "x", "--regex", "a"], "--beam-width does not take --temperature, --stop, --regex"),
         (["--serve", "--prompts", "PROMPTS", "--temperature", "0.3", "--max-tokens", "9"], "--serve does not take --prompts, --max-tokens, --temperature"),
         (["--prompts", "PROMPTS", "--port", "9000"], "--port would be ignored without --serve"),
+        (["--prompts", "LATIN1"], "is not UTF-8 text (byte 0)"),  # and names the file
+        (["--prompts", "PROMPTS", "--json-schema", "/no/block_size/s.json"], "--json-schema file '/no/block_size/s.json' does not exist"),  # a path stays as given
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--output", "/no/such/dir/o.jsonl"], "--output file '/no/such/dir/o.jsonl' cannot be written"),
+        (["--serve", "--port", "99999"], "--port must be an integer from 0 (any free port) to 65535"),
+        (["--serve", "--limit-concurrency", "0"], "--limit-concurrency must be a positive integer or None"),
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n  \n")
     (tmp_path / "prompts.txt").write_text("hi\n")
-    args = [str(tmp_path / "empty.txt") if a == "EMPTY" else str(tmp_path / "prompts.txt") if a == "PROMPTS" else a for a in args]
+    (tmp_path / "latin1.txt").write_bytes("é, café\n".encode("latin-1"))
+    files = {"EMPTY": "empty.txt", "PROMPTS": "prompts.txt", "LATIN1": "latin1.txt"}
+    args = [str(tmp_path / files[a]) if a in files else a for a in args]
     r = run_cli(*args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1, r.stderr
@@ -3730,6 +3777,8 @@ def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
     assert [h.split("(")[-1].split(",")[0] for h in headers] == ["beam 1 of 2", "beam 2 of 2"] and all("cumulative logprob -" in h for h in headers)
     ended = nanobatch.CompletionOutput(1, "", [2], "stop")
     assert nanobatch.format_sample("Hi", ended, 3).splitlines()[1] == "(empty: the model ended at once)"
+    cut = nanobatch.CompletionOutput(0, "", [5, 6], "stop", stop_reason=" pi")
+    assert nanobatch.format_sample("Hi", cut, 1).splitlines()[1] == "(empty: the stop string ' pi' came first)"
     beam = nanobatch.CompletionOutput(0, " there", [5, 6], "length", cumulative_logprob=-1.23456)
     assert nanobatch.format_sample("Hi", beam, 2, beam=True).splitlines()[0] == "--- prompt: 'Hi' (beam 1 of 2, cumulative logprob -1.235)"
 

@@ -13,7 +13,8 @@ preemption): they hold their shard of the weights and their heads' KV pool, inde
 ids. gloo on CPU, NCCL on CUDA.
 
 The engine reaches it through one object, `LLM.tp` (a TensorParallel), at these hooks:
-    LLM.__init__   nanobatch.start_tensor_parallel -> start(); ranks > 0 then serve() and exit
+    LLM.__init__   nanobatch.start_tensor_parallel -> start(); at its end ready(): ranks > 0 then serve
+                   rank 0's steps and exit
     load_model     shard_config (the model's shapes), load_safetensors + shard (only this rank's
                    slices), parallelize (the all-reduces and the logits gather)
     KV pool        min_over_ranks: every rank takes the smallest pool, so block ids agree
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import sys
 import time
 import weakref
@@ -37,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _WORKER_TP = None  # set in a spawned rank before it builds its LLM
+_RANK0_TP = None  # rank 0's group in this process (a weakref), while it runs
 TP_START_SECONDS = 120  # a rank that has not joined by then (loading is after joining) failed to start
 
 
@@ -47,13 +50,25 @@ class TPError(RuntimeError):
 class TensorParallel:
     """This process's place in the group, and the engine's hooks. On rank 0, shutdown() (or the LLM
     being collected, or exit: a weakref.finalize, so it runs once) tells the other ranks to stop and
-    waits for them."""
+    waits for them. The ranks meet in collectives, so a rank 0 stopped between two of them (Ctrl-C,
+    an error while the LLM is built) leaves the others waiting inside one, for good: `state` says
+    when that may be (before the LLM is ready, and from each step's broadcast to its logits), and
+    the ranks are then killed, not told."""
 
     def __init__(self, rank, size, procs=()):
         self.rank, self.size, self.procs = rank, size, list(procs)  # procs: the ranks rank 0 spawned
-        self.shutdown = weakref.finalize(self, _stop_ranks, rank, self.procs)
+        self.state = {"ready": False, "in_step": False}  # shared with the finalizer, which must not hold self
+        self.shutdown = weakref.finalize(self, _stop_ranks, rank, self.procs, self.state)
+
+    def ready(self, llm):
+        """The end of LLM.__init__: rank 0 may now step; ranks > 0 serve rank 0's steps (and exit)."""
+        self.state["ready"] = True
+        if self.rank > 0:
+            self.serve(llm)
 
     def check_alive(self):
+        if not self.shutdown.alive:
+            raise TPError("this LLM's tensor-parallel ranks were stopped (llm.tp.shutdown(), or an interrupted step): make a new LLM")
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
                 raise TPError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode}; its error is on stderr); the engine cannot "
@@ -131,25 +146,31 @@ class TensorParallel:
     def broadcast_step(self, block_copies, input_ids, positions, meta):
         """Rank 0: this step's inputs to every other rank (one pickled broadcast; on CUDA via host memory)."""
         self.check_alive()
+        if self.state["in_step"]:  # the last step never reached its logits: the other ranks wait inside it
+            self.shutdown()
+            raise TPError("a step of this tensor-parallel LLM was interrupted, so its ranks are out of step; they are "
+                          "stopped: make a new LLM")
+        self.state["in_step"] = True  # until GatheredLMHead has the step's logits
         with self.clear_errors():
             dist.broadcast_object_list([_to_device((block_copies, input_ids, positions, meta), "cpu")], src=0)
 
     def serve(self, llm):
         """Ranks > 0: run the model on each step rank 0 broadcasts (copy-on-write block copies first, as
-        LLM.step does) until rank 0 sends None, then leave the group and exit. The logits go to rank 0."""
-        try:
-            while True:
-                box = [None]
+        LLM.step does) until rank 0 sends None, then leave the group and exit. The logits go to rank 0. An
+        error in the model ends this rank with its traceback (rank 0 then names the rank that died)."""
+        while True:
+            box = [None]
+            try:
                 dist.broadcast_object_list(box, src=0)
-                if box[0] is None:
-                    break
-                copies, input_ids, positions, meta = _to_device(box[0], llm.device)
-                with torch.inference_mode():
-                    for src, dst in copies:
-                        llm.kv_pool[:, :, dst] = llm.kv_pool[:, :, src]
-                    llm.model(input_ids, positions, llm.layer_caches, meta)
-        except RuntimeError:
-            pass  # rank 0 went away (the connection closed): nothing left to serve
+            except RuntimeError:
+                break  # rank 0 went away (the connection closed): nothing left to serve
+            if box[0] is None:
+                break
+            copies, input_ids, positions, meta = _to_device(box[0], llm.device)
+            with torch.inference_mode():
+                for src, dst in copies:
+                    llm.kv_pool[:, :, dst] = llm.kv_pool[:, :, src]
+                llm.model(input_ids, positions, llm.layer_caches, meta)
         dist.destroy_process_group()
         sys.exit(0)
 
@@ -164,7 +185,7 @@ def _to_device(step, device):
 def shard_plan(cfg, rank, size):
     """Where this rank's slices start: (first query head, first KV head, first MLP column), and its
     ModelConfig: its query heads, its KV heads, its MLP columns, its vocabulary rows (padded to ceil(V/N)).
-    KV heads are split whole, each with its group of query heads (SmolLM2's 3 over 2 ranks: 2 and 1);
+    KV heads are split whole, each with its group of query heads (SmolLM2's 3 over 2 ranks: 1 and 2);
     with fewer KV heads than ranks, each rank holds a copy of the KV head its query heads read."""
     r, n, heads, kv_heads = rank, size, cfg.num_heads, cfg.num_kv_heads
     if kv_heads >= n:
@@ -208,6 +229,7 @@ class GatheredLMHead(nn.Module):
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
         with self.tp.clear_errors():
             dist.gather(logits, parts, dst=0)
+        self.tp.state["in_step"] = False  # every rank is through this step
         return torch.cat(parts, dim=-1)[:, : self.vocab_size] if parts else None  # (S, vocab): padding cut off
 
 
@@ -231,11 +253,16 @@ def start(config):
         timeout = datetime.timedelta(days=365) if rank else None  # see _rank_main
         dist.init_process_group(_backend(config.device), rank=rank, world_size=world, timeout=timeout)
         return TensorParallel(rank, world)
+    global _RANK0_TP
+    if _RANK0_TP is not None and _RANK0_TP() is not None and not _RANK0_TP().state["ready"]:
+        _RANK0_TP().shutdown()  # an LLM whose construction failed (its error may still hold it): its ranks go
     if dist.is_initialized():
         raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
     hf_config = nanobatch.read_config(config.model or nanobatch.default_model_path())[0]
     shard_plan(nanobatch.ModelConfig.from_hf(hf_config), 0, config.tensor_parallel_size)  # a size the heads refuse fails before spawning
-    return _spawn_ranks(config)
+    tp = _spawn_ranks(config)
+    _RANK0_TP = weakref.ref(tp)
+    return tp
 
 
 def _rank_device(device, local_rank):
@@ -279,6 +306,7 @@ def _rank_main(rank, size, port, kwargs):
     import nanobatch
 
     global _WORKER_TP
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides (as vLLM's workers)
     if kwargs["device"] == "cpu":  # the ranks share this machine's cores: N processes of all-core threads would fight
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
@@ -290,14 +318,15 @@ def _rank_main(rank, size, port, kwargs):
     nanobatch.LLM(**kwargs)  # does not return: its TensorParallel.serve serves rank 0's steps, then exits
 
 
-def _stop_ranks(rank, procs):
+def _stop_ranks(rank, procs, state):
+    stuck = not state["ready"] or state["in_step"]  # the ranks wait inside a collective that will never end
     try:
-        if rank == 0 and dist.is_initialized() and all(p.is_alive() for p in procs):
+        if rank == 0 and dist.is_initialized() and all(p.is_alive() for p in procs) and not stuck:
             dist.broadcast_object_list([None], src=0)  # None: stop
     except RuntimeError:
         pass  # a rank is gone already: the group cannot carry the message; kill below
     for proc in (p for p in procs if p.pid is not None):  # started ones
-        proc.join(timeout=10)
+        proc.join(timeout=0 if stuck else 10)
         if proc.is_alive():
             proc.kill()
             proc.join()
