@@ -123,6 +123,23 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
     "structured": ["nanobatch", "nanobatch-structured"],
     "beam": ["nanobatch-beam", "hf-beam"],
+    "host": ["nanobatch"],
+}
+RANDOM_SYSTEMS = [s for s in SYSTEMS if s not in ("nanobatch-structured", "nanobatch-beam", "hf-beam")]
+WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among them)
+    "random": RANDOM_SYSTEMS,
+    "shared-prefix": RANDOM_SYSTEMS,
+    "structured": DEFAULT_SYSTEMS["structured"],
+    "beam": DEFAULT_SYSTEMS["beam"],
+    "host": DEFAULT_SYSTEMS["host"],
+}
+# the flags that only some workloads read: given to another workload, they are an error (not silently ignored)
+WORKLOAD_FLAGS = {
+    "random": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "roofline", "plot"),
+    "shared-prefix": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "prefix_len", "roofline", "plot"),
+    "structured": ("max_output_len", "roofline", "plot"),  # chat prompts; the grammar ends each output, max_output_len caps it
+    "beam": ("min_prompt_len", "max_prompt_len", "max_output_len", "beam_width", "roofline", "plot"),  # every beam runs to max_output_len
+    "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -1473,13 +1490,20 @@ def resolve_model(args):
     return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
 
 
+def systems_help():
+    lines = []
+    for workload, default in DEFAULT_SYSTEMS.items():
+        others = [s for s in WORKLOAD_SYSTEMS[workload] if s not in default]
+        lines.append(f"{workload}: {','.join(default)}" + (f" (also {', '.join(others)})" if others else ""))
+    return "; ".join(lines)
+
+
 def build_arg_parser():
     sizes = "; ".join(f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items())
     p = argparse.ArgumentParser(description="nanobatch throughput and latency, side by side with HF transformers",
                                 epilog=f"Defaults that depend on the device and the workload: {sizes}.")
-    p.add_argument("--workload", choices=[*DEFAULT_SYSTEMS, "host"], default="random", help="host: nanobatch's host time per decode step only")
-    p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
-                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])}; structured: {','.join(DEFAULT_SYSTEMS['structured'])})")
+    p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random", help="host: nanobatch's host time per decode step only")
+    p.add_argument("--systems", help=f"comma-separated, from the workload's own; per workload its default (and the others it can run): {systems_help()}")
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--tokenizer", help=f"the tokenizer saved with {RANDOM_QWEN3} and {RANDOM_TINY_LLAMA}: an HF folder or .gguf file "
@@ -1489,7 +1513,7 @@ def build_arg_parser():
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="shared-prefix: tokens of the common system prompt")
+    g.add_argument("--prefix-len", type=int, help=f"shared-prefix: tokens of the common system prompt (default {DEFAULT_PREFIX_LEN})")
     g.add_argument("--beam-width", type=int, help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long")
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
@@ -1506,29 +1530,74 @@ def build_arg_parser():
     return p
 
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def resolve_systems(args):
+    """--systems: each one known and run by the chosen workload; the flags that workload does not read, refused."""
+    valid = WORKLOAD_SYSTEMS[args.workload]
+    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS[args.workload]
+    for s in args.systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+        if s not in valid:
+            raise ValueError(f"--systems: --workload {args.workload} does not run {s}; it runs {', '.join(valid)}")
+    if args.workload == "structured" and sorted(args.systems) != sorted(valid):
+        raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
+    for name in dict.fromkeys(n for names in WORKLOAD_FLAGS.values() for n in names):
+        if getattr(args, name) is not None and name not in WORKLOAD_FLAGS[args.workload]:
+            raise ValueError(f"{flag(name)} does not apply to --workload {args.workload}; its workload flags are "
+                             f"{', '.join(map(flag, WORKLOAD_FLAGS[args.workload]))}")
+    if args.vllm_python and "vllm" not in args.systems:
+        raise ValueError("--vllm-python runs the vllm system, which this run does not include (--systems, --workload)")
+    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
+        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
+
+
+def check_ranges(args):
+    """The numbers each workload reads, and the engine's own checks (EngineConfig validates: its field names
+    are bench's flags), before any system runs."""
+    used = WORKLOAD_FLAGS[args.workload]
+    for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
+        if lo in used and not 1 <= getattr(args, lo) <= getattr(args, hi):
+            raise ValueError(f"{flag(lo)} must be >= 1 and <= {flag(hi)}")
+        if hi in used and getattr(args, hi) < 1:
+            raise ValueError(f"{flag(hi)} must be >= 1")
+    if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
+        raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+    if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
+        raise ValueError(f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): a beam search request takes a seat per beam")
+    EngineConfig(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 tensor_parallel_size=args.tensor_parallel_size)
+
+
+def check_paths(args):
+    """The files bench reads or writes after minutes of work, checked before any model loads."""
+    for name in ("model", "tokenizer"):
+        path = getattr(args, name)
+        if path and path not in (RANDOM_QWEN3, RANDOM_TINY_LLAMA) and not os.path.exists(os.path.expanduser(path)):
+            raise ValueError(f"{flag(name)} {path} does not exist (give a local HF folder or .gguf file; nothing is downloaded)")
+    if args.vllm_python:
+        args.vllm_python = os.path.expanduser(args.vllm_python)
+        if not os.path.isfile(args.vllm_python) or not os.access(args.vllm_python, os.X_OK):
+            raise ValueError(f"--vllm-python {args.vllm_python} is not an executable file (the python of a virtual environment with vLLM installed)")
+    for name in ("json", "plot"):
+        path = getattr(args, name)
+        folder = path and os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+        if path and not os.path.isdir(folder):
+            raise ValueError(f"{flag(name)} {path}: the folder {folder} does not exist")
+
+
 def resolve_args(args):
-    """Fill the defaults that depend on the device and the workload, and check the ranges."""
+    """Fill the defaults that depend on the device and the workload, and check every flag."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, value in WORKLOAD_DEFAULTS[(device, args.workload)].items():
+    resolve_systems(args)
+    defaults = {**WORKLOAD_DEFAULTS[(device, args.workload)], "beam_width": DEFAULT_BEAM_WIDTH if args.workload == "beam" else 0,
+                "prefix_len": DEFAULT_PREFIX_LEN if args.workload == "shared-prefix" else 0}
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS.get(args.workload, ["nanobatch"])
-    beam_systems = [s for s in args.systems if s.endswith("-beam")]
-    if args.workload == "beam":
-        args.beam_width = args.beam_width or DEFAULT_BEAM_WIDTH
-        if args.beam_width < 1:
-            raise ValueError("--beam-width must be >= 1")
-        if len(beam_systems) != len(args.systems):
-            raise ValueError(f"--workload beam runs only the beam systems (nanobatch-beam, hf-beam), not {[s for s in args.systems if s not in beam_systems][0]}")
-    elif beam_systems or args.beam_width:
-        raise ValueError("the beam systems and --beam-width go with --workload beam")
-    else:
-        args.beam_width = 0
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
-    if args.workload == "structured" and sorted(args.systems) != sorted(DEFAULT_SYSTEMS["structured"]):
-        raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
     if args.model is None and args.workload == "host":
         args.model = RANDOM_TINY_LLAMA
     elif args.model is None and device == "cuda":
@@ -1536,18 +1605,13 @@ def resolve_args(args):
     if args.dtype == "auto":  # resolved here, once, and passed explicitly to every system
         args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_prefers_bf16() else "float32"
     if args.roofline is None:
-        args.roofline = device == "cuda"
-    for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
-        if not 1 <= getattr(args, lo) <= getattr(args, hi):
-            raise ValueError(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
-    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
-        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
-    if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
-        raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+        args.roofline = device == "cuda" and args.workload != "host"
+    check_ranges(args)
     return torch.device(device)
 
 
 def main(args):
+    check_paths(args)
     if args.static:
         if not args.kernels:
             raise ValueError("--static goes with --kernels")
@@ -1589,10 +1653,15 @@ def main(args):
         plot(args.plot, results, workload)
 
 
-if __name__ == "__main__":
-    args = build_arg_parser().parse_args()
+def cli(argv=None):
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     try:
-        sys.exit(main(args))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return main(args)
+    except (ValueError, FileNotFoundError) as e:  # a bad input, or nothing could run: one line, in the flags' words
+        print(f"error: {nanobatch.in_cli_words(str(e), parser)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

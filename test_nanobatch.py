@@ -3609,6 +3609,63 @@ def test_access_log_one_line_per_request_quiet_for_probes(server, caplog):
     assert len(lines) == 2 and "/version" in lines[0] and "/v1/models" in lines[1], lines
 
 
+# ---- bench.py: its arguments ----
+# Every bad input fails in resolve_args or check_paths, before any model loads: these tests run in process.
+
+
+def bench_cli(capsys, *argv):
+    import bench
+
+    rc = bench.cli(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--workload", "beam", "--beam-width", "0"], "--beam-width must be >= 1"),  # not the default width
+        (["--workload", "beam", "--max-num-seqs", "2"], "--beam-width must be >= 1 and <= --max-num-seqs (2)"),
+        (["--systems", "nanobatch,bogus"], "--systems: unknown system 'bogus'"),
+        (["--systems", "nanobatch,nanobatch-structured"], "--workload random does not run nanobatch-structured; it runs nanobatch, nanobatch-eager,"),
+        (["--workload", "host", "--systems", "hf-generate"], "--workload host does not run hf-generate; it runs nanobatch"),
+        (["--workload", "structured", "--systems", "nanobatch"], "--workload structured runs nanobatch and nanobatch-structured, and only them"),
+        (["--workload", "host", "--vllm-python", sys.executable], "--vllm-python runs the vllm system, which this run does not include"),
+        (["--prefix-len", "8"], "--prefix-len does not apply to --workload random; its workload flags are --min-prompt-len,"),
+        (["--workload", "beam", "--min-output-len", "8"], "--min-output-len does not apply to --workload beam"),
+        (["--workload", "host", "--plot", "x.png"], "--plot does not apply to --workload host; its workload flags are --max-prompt-len"),
+        (["--min-prompt-len", "9", "--max-prompt-len", "8"], "--min-prompt-len must be >= 1 and <= --max-prompt-len"),
+        (["--workload", "structured", "--max-output-len", "0"], "--max-output-len must be >= 1"),
+        (["--max-num-seqs", "9999"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (9999)"),  # the engine's check, in bench's flags
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
+        (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
+        (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
+        (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder /no/such/folder does not exist"),
+    ],
+)
+def test_bench_bad_arguments_are_one_clear_line(capsys, args, message):
+    rc, out, err = bench_cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and out == "", err
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+def test_bench_checks_the_lengths_each_workload_reads():
+    import bench
+
+    def resolve(*argv):
+        args = bench.build_arg_parser().parse_args(list(argv))
+        bench.resolve_args(args)
+        return args
+
+    beam = resolve("--workload", "beam", "--max-output-len", "8")  # beams ignore --min-output-len (its default is larger)
+    assert (beam.beam_width, beam.max_output_len, beam.prefix_len) == (bench.DEFAULT_BEAM_WIDTH, 8, 0)
+    assert resolve("--workload", "host", "--max-prompt-len", "64").max_prompt_len == 64  # host reads only --max-prompt-len
+    assert resolve("--workload", "shared-prefix").prefix_len == bench.DEFAULT_PREFIX_LEN
+    assert resolve("--workload", "beam").systems == ["nanobatch-beam", "hf-beam"] and resolve("--workload", "host").systems == ["nanobatch"]
+    assert "beam: nanobatch-beam,hf-beam; host: nanobatch" in bench.systems_help()  # --help names every workload's default
+
+
 # ---- CLI ----
 
 
