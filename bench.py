@@ -1415,7 +1415,7 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
     try:
         model = load_hf_model(model_path, nanobatch.DTYPES[args.dtype], device)
     except Exception as e:  # e.g. a model family this transformers cannot load
-        results += [SystemResult(name, skipped=f"could not load the model in transformers: {e}") for name in hf]
+        results += [SystemResult(name, skipped=f"could not load the model in transformers: {one_line(e)}") for name in hf]
         return workload
     workload = workload or make_workload(args, model.config.vocab_size)
     warmup = warmup_workload(model.config.vocab_size, args.beam_width)
@@ -1428,11 +1428,16 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
         try:
             result, run = measure(name, runners[name], workload, warmup, device)
         except Exception as e:  # report a peer that cannot run here instead of losing the whole table
-            results.append(SystemResult(name, skipped=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            results.append(SystemResult(name, skipped=one_line(e)))
             continue
         results.append(result)
         runs.append(run)
     return workload
+
+
+def one_line(e):
+    """An exception as one line of the report: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def run_kernels(args, device):
@@ -1634,10 +1639,10 @@ def main(args):
         workload = run_hf_systems(args, model_path, device, workload, results, runs)
     if "vllm" in args.systems:
         workload = run_vllm(args, model_path, workload, device, results, runs)
-    if runs:
-        mark_same_outputs([r for r in results if not r.skipped], runs)
-    if workload is None:
-        raise RuntimeError("no system ran")
+    if not runs:
+        print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
+        raise ValueError("no system ran (each one's reason is above)")
+    mark_same_outputs([r for r in results if not r.skipped], runs)
 
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "

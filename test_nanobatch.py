@@ -3666,6 +3666,16 @@ def test_bench_checks_the_lengths_each_workload_reads():
     assert "beam: nanobatch-beam,hf-beam; host: nanobatch" in bench.systems_help()  # --help names every workload's default
 
 
+@pytest.mark.parametrize("systems,reason", [("vllm", "vllm: skipped: no --vllm-python given"),
+                                            ("hf-generate", "hf-generate: skipped: could not load the model in transformers: ")])
+def test_bench_prints_why_no_system_ran(tmp_path, systems, reason):
+    """Every system skipped (no --vllm-python; a folder transformers cannot load): the reasons, then one error line."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--systems", systems, "--model", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1 and r.stdout.startswith(reason), r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)" and "Traceback" not in r.stderr, r.stderr
+
+
 # ---- CLI ----
 
 
