@@ -43,7 +43,8 @@ Workloads (--workload):
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
-(TTFT, mean and p99) and time per output token (TPOT). Each system has one small warm-up run first. For
+(TTFT, mean and p99) and time per output token (TPOT); "same out": the requests whose output tokens equal
+those of the first greedy system in the table (the reference, named under it; sampled systems are not compared). Each system has one small warm-up run first. For
 nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
 the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
 actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
@@ -324,7 +325,7 @@ class SystemResult:
     ttft_p99_s: float | None = None
     tpot_mean_s: float | None = None
     prefix_hit_rate: float | None = None  # prompt tokens served from the prefix cache / prompt tokens
-    num_same_outputs: int | None = None  # requests whose output equals the first system's (greedy: all, up to numerics)
+    num_same_outputs: int | None = None  # requests whose output equals the first greedy system's (all, up to numerics)
     skipped: str | None = None  # why the system did not run
 
     @property
@@ -1235,12 +1236,12 @@ def run_static(args):
 
 
 def mark_same_outputs(results, runs):
-    """How many requests got the same output tokens as the first system (greedy: all of them, up to
-    numerical differences between implementations)."""
-    reference = runs[0].output_ids
-    for result, run in zip(results, runs):
-        if not result.name.endswith("-sampled"):  # sampled outputs differ from greedy by design
-            result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, reference))
+    """How many requests got the same output tokens as the first greedy system, the reference (greedy: all
+    of them, up to numerical differences between implementations); returns its name (None: none is greedy)."""
+    greedy_runs = [(result, run) for result, run in zip(results, runs) if not result.name.endswith("-sampled")]  # sampled outputs differ by design
+    for result, run in greedy_runs:
+        result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, greedy_runs[0][1].output_ids))
+    return greedy_runs[0][0].name if greedy_runs else None
 
 
 def cell(x, width, spec, scale=1, suffix=""):
@@ -1642,12 +1643,15 @@ def main(args):
     if not runs:
         print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
         raise ValueError("no system ran (each one's reason is above)")
-    mark_same_outputs([r for r in results if not r.skipped], runs)
+    reference = mark_same_outputs([r for r in results if not r.skipped], runs)
 
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
+    if reference:
+        extra["same_out_reference"] = reference
+        print(f"same out: requests whose output tokens equal {reference}'s (the first greedy system)")
     print("\n" + "\n".join(details) if details else "")
     on, off = (next((r for r in results if r.name == n and r.seconds), None) for n in ("nanobatch", "nanobatch-no-prefix-cache"))
     if on and off:

@@ -3676,6 +3676,16 @@ def test_bench_prints_why_no_system_ran(tmp_path, systems, reason):
     assert r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)" and "Traceback" not in r.stderr, r.stderr
 
 
+def test_bench_same_out_compares_with_the_first_greedy_system():
+    import bench
+
+    results = [bench.SystemResult(name, 1.0) for name in ("nanobatch-sampled", "nanobatch", "hf-generate")]
+    runs = [bench.Run([[9, 9], [9, 9]], 1.0), bench.Run([[1, 2], [3, 4]], 1.0), bench.Run([[1, 2], [3, 5]], 1.0)]
+    assert bench.mark_same_outputs(results, runs) == "nanobatch"
+    assert [r.num_same_outputs for r in results] == [None, 2, 1]
+    assert bench.mark_same_outputs(results[:1], runs[:1]) is None  # nothing greedy: nothing to compare
+
+
 # ---- CLI ----
 
 
