@@ -3686,6 +3686,16 @@ def test_bench_same_out_compares_with_the_first_greedy_system():
     assert bench.mark_same_outputs(results[:1], runs[:1]) is None  # nothing greedy: nothing to compare
 
 
+def test_bench_counts_truncated_json_as_invalid(monkeypatch):
+    import bench
+
+    schema = bench.STRUCTURED_SCHEMAS["a person"]
+    cases = [('{"name": "Ada", "age": 36}', True), ('{"name": "Ada", "ag', False), ('{"name": "Ada"}', False), ('"Ada"', False)]
+    assert [bench.valid_json(text, schema) for text, _ in cases] == [ok for _, ok in cases]
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # not installed: JSON objects count, the schemas are not checked
+    assert [bench.valid_json(text, schema) for text, _ in cases] == [True, False, True, False]
+
+
 # ---- CLI ----
 
 
