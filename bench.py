@@ -44,15 +44,18 @@ Workloads (--workload):
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
 (TTFT, mean and p99) and time per output token (TPOT); "same out": the requests whose output tokens equal
-those of the first greedy system in the table (the reference, named under it; sampled systems are not compared). Each system has one small warm-up run first. For
-nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
-the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
-actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
-prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model (the model forward, or on a GPU
-its CUDA graph's replay; synchronised there),
-with its share of the step; inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and
-the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and max_num_seqs, the bytes one decode step must read
-(weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
+those of the first greedy system in the table (the reference, named under it; sampled systems are not
+compared). Each system has one small warm-up run first. For every nanobatch system (structured and beam
+included; not nanobatch-tpN) also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token
+slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wall time (the longest request
+run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
+forward (schedule, prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model
+(the model forward, or on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
+inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and the Python bookkeeping
+left (beam search picks its beams outside nanobatch.sample, and structured outputs build their masks
+outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
+max_num_seqs, the bytes one decode step must read (weights plus live KV) over the measured copy bandwidth,
+next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
@@ -556,7 +559,7 @@ def run_nanobatch_structured(llm, workload) -> Run:
     return engine_run(llm, outputs, seconds, start)
 
 
-def run_structured(llm, workload, warmup, device, results, runs, details):
+def run_structured(llm, workload, warmup, device, results, runs, details, extra):
     """--workload structured: the constrained batch first; its output lengths then become the workload's,
     so the unconstrained run (EOS ignored) makes exactly as many tokens per request and tok/s compare."""
     constrained, run = measure("nanobatch-structured", lambda wl: run_nanobatch_structured(llm, wl), workload, warmup, device, exact=False)
@@ -567,6 +570,8 @@ def run_structured(llm, workload, warmup, device, results, runs, details):
     unconstrained, plain_run = measure("nanobatch", lambda wl: run_nanobatch(llm, wl), workload, warmup, device)
     results += [unconstrained, constrained]
     runs += [plain_run, run]
+    report_engine_run("nanobatch", plain_run, llm, extra, details)
+    report_engine_run("nanobatch-structured", run, llm, extra, details)
     details.append(f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
                    f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
                    f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} "
@@ -1355,6 +1360,22 @@ def plot(path, results, workload):
 # ---- CLI ----
 
 
+def report_engine_run(name, run, llm, extra, details, ideal=None):
+    """A nanobatch system's engine figures (steps, KV blocks, host time per step, ...): a details line, and in extra for --json."""
+    engine = extra.setdefault("engine", {})[name] = asdict(run.stats)
+    steps = run.stats.num_steps
+    split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
+    if split:
+        engine["host"] = split
+    details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
+    if run.decode_split:
+        engine["decode"] = d = run.decode_split
+        details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
+                       f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
+    if run.peak_blocks:
+        engine.update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
+
+
 def run_engine_systems(args, model_path, device, results, runs, extra):
     """Every nanobatch system on one engine (one model load); returns the workload built from its vocab."""
     bandwidth = copy_bandwidth(device) if args.roofline else None
@@ -1366,7 +1387,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
                + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes)" if llm.cuda_graphs else "")]
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
-        run_structured(llm, workload, warmup, device, results, runs, details)
+        run_structured(llm, workload, warmup, device, results, runs, details, extra)
         return workload, details
     runners = {
         "nanobatch": lambda wl: run_nanobatch(llm, wl),
@@ -1381,19 +1402,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         ideal = ideal_seconds(llm, workload) if name == "nanobatch" else None
         if ideal is not None:
             extra["nanobatch_ideal_seconds"] = ideal
-        extra.setdefault("engine", {})[name] = asdict(run.stats)
-        steps = run.stats.num_steps
-        split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
-        if split:
-            extra["engine"][name]["host"] = split
-        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
-        if run.decode_split:
-            extra["engine"][name]["decode"] = run.decode_split
-            d = run.decode_split
-            details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
-                           f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
-        if run.peak_blocks:
-            extra.setdefault("engine", {})[name].update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
+        report_engine_run(name, run, llm, extra, details, ideal)
         results.append(result)
         runs.append(run)
     if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
