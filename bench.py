@@ -691,19 +691,29 @@ def engine_run(llm, outputs, seconds, start) -> Run:
 
 
 def run_nanobatch_beam(llm, workload) -> Run:
-    """Every beam search request queued at once (a beam group takes beam_width seats); the step loop is
-    driven here to read the pool after each step: blocks held, and what the beams would hold unshared."""
+    """Every beam search request queued at once (a beam group takes beam_width seats). KV blocks held at the
+    peak: the engine's own count (EngineStats, after each step's allocations and copy-on-write copies);
+    unshared: what the running beams' block tables would hold as independent sequences, read at the same
+    point of every step (right after the scheduler allocates; between steps both read low)."""
     begin_engine_run(llm)
-    k = workload.beam_width
-    start = time.perf_counter()
-    ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
-    done, held, unshared = {}, 0, 0
-    while llm.has_unfinished_requests():
-        done.update((out.request_id, out) for out in llm.step() if out.finished)
-        held = max(held, llm.allocator.num_blocks - llm.allocator.num_free_blocks)
-        unshared = max(unshared, sum(len(s.block_ids) for s in llm.scheduler.running))
-    seconds = time.perf_counter() - start
-    outputs = [done[i] for i in ids]
+    k, unshared, schedule = workload.beam_width, [0], llm.scheduler.schedule
+
+    def schedule_and_count():
+        batch = schedule()
+        unshared[0] = max(unshared[0], sum(len(s.block_ids) for s in llm.scheduler.running))
+        return batch
+
+    llm.scheduler.schedule = schedule_and_count
+    try:
+        start = time.perf_counter()
+        ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update((out.request_id, out) for out in llm.step() if out.finished)
+        seconds = time.perf_counter() - start
+    finally:
+        del llm.scheduler.schedule  # the Scheduler's own method again
+    outputs, held = [done[i] for i in ids], llm.stats.peak_blocks_in_use
     return Run(
         output_ids=[[t for c in out.outputs for t in c.token_ids] for out in outputs],  # the k beams, best first, end to end
         seconds=seconds,
@@ -712,7 +722,7 @@ def run_nanobatch_beam(llm, workload) -> Run:
         stats=llm.stats,
         forward_seconds=llm.forward_timer.seconds,
         sample_seconds=llm.forward_timer.sample_seconds,
-        peak_blocks=(held, unshared),
+        peak_blocks=(held, unshared[0]),
     )
 
 
