@@ -43,15 +43,19 @@ Workloads (--workload):
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
 loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
-(TTFT, mean and p99) and time per output token (TPOT). Each system has one small warm-up run first. For
-nanobatch also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token slots allocated,
-the PagedAttention paper's measure), and the ideal wall time (the longest request run alone) next to the
-actual one, and the host time per step: everything LLM.step does outside the model forward (schedule,
-prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model (the model forward, or on a GPU
-its CUDA graph's replay; synchronised there),
-with its share of the step; inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and
-the Python bookkeeping left (beam search picks its beams outside nanobatch.sample: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and max_num_seqs, the bytes one decode step must read
-(weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
+(TTFT, mean and p99) and time per output token (TPOT); "same out": the requests whose output tokens equal
+those of the first greedy system in the table (the reference, named under it; sampled systems are not
+compared). Each system has one small warm-up run first. For every nanobatch system (structured and beam
+included; not nanobatch-tpN) also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token
+slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wall time (the longest request
+run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
+forward (schedule, prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model
+(the model forward, or on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
+inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and the Python bookkeeping
+left (beam search picks its beams outside nanobatch.sample, and structured outputs build their masks
+outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
+max_num_seqs, the bytes one decode step must read (weights plus live KV) over the measured copy bandwidth,
+next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
@@ -123,6 +127,23 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
     "structured": ["nanobatch", "nanobatch-structured"],
     "beam": ["nanobatch-beam", "hf-beam"],
+    "host": ["nanobatch"],
+}
+RANDOM_SYSTEMS = [s for s in SYSTEMS if s not in ("nanobatch-structured", "nanobatch-beam", "hf-beam")]
+WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among them)
+    "random": RANDOM_SYSTEMS,
+    "shared-prefix": RANDOM_SYSTEMS,
+    "structured": DEFAULT_SYSTEMS["structured"],
+    "beam": DEFAULT_SYSTEMS["beam"],
+    "host": DEFAULT_SYSTEMS["host"],
+}
+# the flags that only some workloads read: given to another workload, they are an error (not silently ignored)
+WORKLOAD_FLAGS = {
+    "random": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "roofline", "plot"),
+    "shared-prefix": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "prefix_len", "roofline", "plot"),
+    "structured": ("max_output_len", "roofline", "plot"),  # chat prompts; the grammar ends each output, max_output_len caps it
+    "beam": ("min_prompt_len", "max_prompt_len", "max_output_len", "beam_width", "roofline", "plot"),  # every beam runs to max_output_len
+    "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -307,7 +328,7 @@ class SystemResult:
     ttft_p99_s: float | None = None
     tpot_mean_s: float | None = None
     prefix_hit_rate: float | None = None  # prompt tokens served from the prefix cache / prompt tokens
-    num_same_outputs: int | None = None  # requests whose output equals the first system's (greedy: all, up to numerics)
+    num_same_outputs: int | None = None  # requests whose output equals the first greedy system's (all, up to numerics)
     skipped: str | None = None  # why the system did not run
 
     @property
@@ -538,7 +559,7 @@ def run_nanobatch_structured(llm, workload) -> Run:
     return engine_run(llm, outputs, seconds, start)
 
 
-def run_structured(llm, workload, warmup, device, results, runs, details):
+def run_structured(llm, workload, warmup, device, results, runs, details, extra):
     """--workload structured: the constrained batch first; its output lengths then become the workload's,
     so the unconstrained run (EOS ignored) makes exactly as many tokens per request and tok/s compare."""
     constrained, run = measure("nanobatch-structured", lambda wl: run_nanobatch_structured(llm, wl), workload, warmup, device, exact=False)
@@ -549,20 +570,36 @@ def run_structured(llm, workload, warmup, device, results, runs, details):
     unconstrained, plain_run = measure("nanobatch", lambda wl: run_nanobatch(llm, wl), workload, warmup, device)
     results += [unconstrained, constrained]
     runs += [plain_run, run]
+    report_engine_run("nanobatch", plain_run, llm, extra, details)
+    report_engine_run("nanobatch-structured", run, llm, extra, details)
     details.append(f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
                    f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
-                   f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} valid under their schema")
+                   f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} "
+                   + ("valid under their schema" if jsonschema_installed() else "valid JSON (the schemas unchecked: jsonschema is not installed)"))
+
+
+def jsonschema_installed():
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def valid_json(text, schema):
+    """text is JSON valid under schema (without the jsonschema package: a JSON object or array)."""
     try:
-        import jsonschema
+        value = json.loads(text)
+    except ValueError:  # not JSON, e.g. cut at the output cap
+        return False
+    if not jsonschema_installed():
+        return isinstance(value, (dict, list))
+    import jsonschema
 
-        jsonschema.validate(json.loads(text), schema)
+    try:
+        jsonschema.validate(value, schema)
         return True
-    except ImportError:
-        return isinstance(json.loads(text), (dict, list))
-    except (ValueError, jsonschema.ValidationError):
+    except jsonschema.ValidationError:
         return False
 
 
@@ -654,19 +691,29 @@ def engine_run(llm, outputs, seconds, start) -> Run:
 
 
 def run_nanobatch_beam(llm, workload) -> Run:
-    """Every beam search request queued at once (a beam group takes beam_width seats); the step loop is
-    driven here to read the pool after each step: blocks held, and what the beams would hold unshared."""
+    """Every beam search request queued at once (a beam group takes beam_width seats). KV blocks held at the
+    peak: the engine's own count (EngineStats, after each step's allocations and copy-on-write copies);
+    unshared: what the running beams' block tables would hold as independent sequences, read at the same
+    point of every step (right after the scheduler allocates; between steps both read low)."""
     begin_engine_run(llm)
-    k = workload.beam_width
-    start = time.perf_counter()
-    ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
-    done, held, unshared = {}, 0, 0
-    while llm.has_unfinished_requests():
-        done.update((out.request_id, out) for out in llm.step() if out.finished)
-        held = max(held, llm.allocator.num_blocks - llm.allocator.num_free_blocks)
-        unshared = max(unshared, sum(len(s.block_ids) for s in llm.scheduler.running))
-    seconds = time.perf_counter() - start
-    outputs = [done[i] for i in ids]
+    k, unshared, schedule = workload.beam_width, [0], llm.scheduler.schedule
+
+    def schedule_and_count():
+        batch = schedule()
+        unshared[0] = max(unshared[0], sum(len(s.block_ids) for s in llm.scheduler.running))
+        return batch
+
+    llm.scheduler.schedule = schedule_and_count
+    try:
+        start = time.perf_counter()
+        ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update((out.request_id, out) for out in llm.step() if out.finished)
+        seconds = time.perf_counter() - start
+    finally:
+        del llm.scheduler.schedule  # the Scheduler's own method again
+    outputs, held = [done[i] for i in ids], llm.stats.peak_blocks_in_use
     return Run(
         output_ids=[[t for c in out.outputs for t in c.token_ids] for out in outputs],  # the k beams, best first, end to end
         seconds=seconds,
@@ -675,7 +722,7 @@ def run_nanobatch_beam(llm, workload) -> Run:
         stats=llm.stats,
         forward_seconds=llm.forward_timer.seconds,
         sample_seconds=llm.forward_timer.sample_seconds,
-        peak_blocks=(held, unshared),
+        peak_blocks=(held, unshared[0]),
     )
 
 
@@ -1218,12 +1265,12 @@ def run_static(args):
 
 
 def mark_same_outputs(results, runs):
-    """How many requests got the same output tokens as the first system (greedy: all of them, up to
-    numerical differences between implementations)."""
-    reference = runs[0].output_ids
-    for result, run in zip(results, runs):
-        if not result.name.endswith("-sampled"):  # sampled outputs differ from greedy by design
-            result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, reference))
+    """How many requests got the same output tokens as the first greedy system, the reference (greedy: all
+    of them, up to numerical differences between implementations); returns its name (None: none is greedy)."""
+    greedy_runs = [(result, run) for result, run in zip(results, runs) if not result.name.endswith("-sampled")]  # sampled outputs differ by design
+    for result, run in greedy_runs:
+        result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, greedy_runs[0][1].output_ids))
+    return greedy_runs[0][0].name if greedy_runs else None
 
 
 def cell(x, width, spec, scale=1, suffix=""):
@@ -1323,6 +1370,22 @@ def plot(path, results, workload):
 # ---- CLI ----
 
 
+def report_engine_run(name, run, llm, extra, details, ideal=None):
+    """A nanobatch system's engine figures (steps, KV blocks, host time per step, ...): a details line, and in extra for --json."""
+    engine = extra.setdefault("engine", {})[name] = asdict(run.stats)
+    steps = run.stats.num_steps
+    split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
+    if split:
+        engine["host"] = split
+    details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
+    if run.decode_split:
+        engine["decode"] = d = run.decode_split
+        details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
+                       f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
+    if run.peak_blocks:
+        engine.update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
+
+
 def run_engine_systems(args, model_path, device, results, runs, extra):
     """Every nanobatch system on one engine (one model load); returns the workload built from its vocab."""
     bandwidth = copy_bandwidth(device) if args.roofline else None
@@ -1334,7 +1397,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
                + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes)" if llm.cuda_graphs else "")]
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
-        run_structured(llm, workload, warmup, device, results, runs, details)
+        run_structured(llm, workload, warmup, device, results, runs, details, extra)
         return workload, details
     runners = {
         "nanobatch": lambda wl: run_nanobatch(llm, wl),
@@ -1349,19 +1412,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         ideal = ideal_seconds(llm, workload) if name == "nanobatch" else None
         if ideal is not None:
             extra["nanobatch_ideal_seconds"] = ideal
-        extra.setdefault("engine", {})[name] = asdict(run.stats)
-        steps = run.stats.num_steps
-        split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
-        if split:
-            extra["engine"][name]["host"] = split
-        details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
-        if run.decode_split:
-            extra["engine"][name]["decode"] = run.decode_split
-            d = run.decode_split
-            details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
-                           f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
-        if run.peak_blocks:
-            extra.setdefault("engine", {})[name].update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
+        report_engine_run(name, run, llm, extra, details, ideal)
         results.append(result)
         runs.append(run)
     if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
@@ -1398,7 +1449,7 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
     try:
         model = load_hf_model(model_path, nanobatch.DTYPES[args.dtype], device)
     except Exception as e:  # e.g. a model family this transformers cannot load
-        results += [SystemResult(name, skipped=f"could not load the model in transformers: {e}") for name in hf]
+        results += [SystemResult(name, skipped=f"could not load the model in transformers: {one_line(e)}") for name in hf]
         return workload
     workload = workload or make_workload(args, model.config.vocab_size)
     warmup = warmup_workload(model.config.vocab_size, args.beam_width)
@@ -1411,11 +1462,16 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
         try:
             result, run = measure(name, runners[name], workload, warmup, device)
         except Exception as e:  # report a peer that cannot run here instead of losing the whole table
-            results.append(SystemResult(name, skipped=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            results.append(SystemResult(name, skipped=one_line(e)))
             continue
         results.append(result)
         runs.append(run)
     return workload
+
+
+def one_line(e):
+    """An exception as one line of the report: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def run_kernels(args, device):
@@ -1473,13 +1529,20 @@ def resolve_model(args):
     return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
 
 
+def systems_help():
+    lines = []
+    for workload, default in DEFAULT_SYSTEMS.items():
+        others = [s for s in WORKLOAD_SYSTEMS[workload] if s not in default]
+        lines.append(f"{workload}: {','.join(default)}" + (f" (also {', '.join(others)})" if others else ""))
+    return "; ".join(lines)
+
+
 def build_arg_parser():
     sizes = "; ".join(f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items())
     p = argparse.ArgumentParser(description="nanobatch throughput and latency, side by side with HF transformers",
                                 epilog=f"Defaults that depend on the device and the workload: {sizes}.")
-    p.add_argument("--workload", choices=[*DEFAULT_SYSTEMS, "host"], default="random", help="host: nanobatch's host time per decode step only")
-    p.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default: random: {','.join(DEFAULT_SYSTEMS['random'])}; "
-                                      f"shared-prefix: {','.join(DEFAULT_SYSTEMS['shared-prefix'])}; structured: {','.join(DEFAULT_SYSTEMS['structured'])})")
+    p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random", help="host: nanobatch's host time per decode step only")
+    p.add_argument("--systems", help=f"comma-separated, from the workload's own; per workload its default (and the others it can run): {systems_help()}")
     p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
                                     f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--tokenizer", help=f"the tokenizer saved with {RANDOM_QWEN3} and {RANDOM_TINY_LLAMA}: an HF folder or .gguf file "
@@ -1489,7 +1552,7 @@ def build_arg_parser():
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN, help="shared-prefix: tokens of the common system prompt")
+    g.add_argument("--prefix-len", type=int, help=f"shared-prefix: tokens of the common system prompt (default {DEFAULT_PREFIX_LEN})")
     g.add_argument("--beam-width", type=int, help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long")
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
@@ -1506,29 +1569,74 @@ def build_arg_parser():
     return p
 
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def resolve_systems(args):
+    """--systems: each one known and run by the chosen workload; the flags that workload does not read, refused."""
+    valid = WORKLOAD_SYSTEMS[args.workload]
+    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS[args.workload]
+    for s in args.systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+        if s not in valid:
+            raise ValueError(f"--systems: --workload {args.workload} does not run {s}; it runs {', '.join(valid)}")
+    if args.workload == "structured" and sorted(args.systems) != sorted(valid):
+        raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
+    for name in dict.fromkeys(n for names in WORKLOAD_FLAGS.values() for n in names):
+        if getattr(args, name) is not None and name not in WORKLOAD_FLAGS[args.workload]:
+            raise ValueError(f"{flag(name)} does not apply to --workload {args.workload}; its workload flags are "
+                             f"{', '.join(map(flag, WORKLOAD_FLAGS[args.workload]))}")
+    if args.vllm_python and "vllm" not in args.systems:
+        raise ValueError("--vllm-python runs the vllm system, which this run does not include (--systems, --workload)")
+    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
+        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
+
+
+def check_ranges(args):
+    """The numbers each workload reads, and the engine's own checks (EngineConfig validates: its field names
+    are bench's flags), before any system runs."""
+    used = WORKLOAD_FLAGS[args.workload]
+    for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
+        if lo in used and not 1 <= getattr(args, lo) <= getattr(args, hi):
+            raise ValueError(f"{flag(lo)} must be >= 1 and <= {flag(hi)}")
+        if hi in used and getattr(args, hi) < 1:
+            raise ValueError(f"{flag(hi)} must be >= 1")
+    if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
+        raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+    if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
+        raise ValueError(f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): a beam search request takes a seat per beam")
+    EngineConfig(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 tensor_parallel_size=args.tensor_parallel_size)
+
+
+def check_paths(args):
+    """The files bench reads or writes after minutes of work, checked before any model loads."""
+    for name in ("model", "tokenizer"):
+        path = getattr(args, name)
+        if path and path not in (RANDOM_QWEN3, RANDOM_TINY_LLAMA) and not os.path.exists(os.path.expanduser(path)):
+            raise ValueError(f"{flag(name)} {path} does not exist (give a local HF folder or .gguf file; nothing is downloaded)")
+    if args.vllm_python:
+        args.vllm_python = os.path.expanduser(args.vllm_python)
+        if not os.path.isfile(args.vllm_python) or not os.access(args.vllm_python, os.X_OK):
+            raise ValueError(f"--vllm-python {args.vllm_python} is not an executable file (the python of a virtual environment with vLLM installed)")
+    for name in ("json", "plot"):
+        path = getattr(args, name)
+        folder = path and os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+        if path and not os.path.isdir(folder):
+            raise ValueError(f"{flag(name)} {path}: the folder {folder} does not exist")
+
+
 def resolve_args(args):
-    """Fill the defaults that depend on the device and the workload, and check the ranges."""
+    """Fill the defaults that depend on the device and the workload, and check every flag."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for name, value in WORKLOAD_DEFAULTS[(device, args.workload)].items():
+    resolve_systems(args)
+    defaults = {**WORKLOAD_DEFAULTS[(device, args.workload)], "beam_width": DEFAULT_BEAM_WIDTH if args.workload == "beam" else 0,
+                "prefix_len": DEFAULT_PREFIX_LEN if args.workload == "shared-prefix" else 0}
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS.get(args.workload, ["nanobatch"])
-    beam_systems = [s for s in args.systems if s.endswith("-beam")]
-    if args.workload == "beam":
-        args.beam_width = args.beam_width or DEFAULT_BEAM_WIDTH
-        if args.beam_width < 1:
-            raise ValueError("--beam-width must be >= 1")
-        if len(beam_systems) != len(args.systems):
-            raise ValueError(f"--workload beam runs only the beam systems (nanobatch-beam, hf-beam), not {[s for s in args.systems if s not in beam_systems][0]}")
-    elif beam_systems or args.beam_width:
-        raise ValueError("the beam systems and --beam-width go with --workload beam")
-    else:
-        args.beam_width = 0
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
-    if args.workload == "structured" and sorted(args.systems) != sorted(DEFAULT_SYSTEMS["structured"]):
-        raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
     if args.model is None and args.workload == "host":
         args.model = RANDOM_TINY_LLAMA
     elif args.model is None and device == "cuda":
@@ -1536,18 +1644,13 @@ def resolve_args(args):
     if args.dtype == "auto":  # resolved here, once, and passed explicitly to every system
         args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_prefers_bf16() else "float32"
     if args.roofline is None:
-        args.roofline = device == "cuda"
-    for lo, hi in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
-        if not 1 <= getattr(args, lo) <= getattr(args, hi):
-            raise ValueError(f"--{lo.replace('_', '-')} must be >= 1 and <= --{hi.replace('_', '-')}")
-    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
-        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
-    if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
-        raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+        args.roofline = device == "cuda" and args.workload != "host"
+    check_ranges(args)
     return torch.device(device)
 
 
 def main(args):
+    check_paths(args)
     if args.static:
         if not args.kernels:
             raise ValueError("--static goes with --kernels")
@@ -1570,15 +1673,18 @@ def main(args):
         workload = run_hf_systems(args, model_path, device, workload, results, runs)
     if "vllm" in args.systems:
         workload = run_vllm(args, model_path, workload, device, results, runs)
-    if runs:
-        mark_same_outputs([r for r in results if not r.skipped], runs)
-    if workload is None:
-        raise RuntimeError("no system ran")
+    if not runs:
+        print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
+        raise ValueError("no system ran (each one's reason is above)")
+    reference = mark_same_outputs([r for r in results if not r.skipped], runs)
 
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
+    if reference:
+        extra["same_out_reference"] = reference
+        print(f"same out: requests whose output tokens equal {reference}'s (the first greedy system)")
     print("\n" + "\n".join(details) if details else "")
     on, off = (next((r for r in results if r.name == n and r.seconds), None) for n in ("nanobatch", "nanobatch-no-prefix-cache"))
     if on and off:
@@ -1589,10 +1695,15 @@ def main(args):
         plot(args.plot, results, workload)
 
 
-if __name__ == "__main__":
-    args = build_arg_parser().parse_args()
+def cli(argv=None):
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     try:
-        sys.exit(main(args))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return main(args)
+    except (ValueError, FileNotFoundError) as e:  # a bad input, or nothing could run: one line, in the flags' words
+        print(f"error: {nanobatch.in_cli_words(str(e), parser)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -3649,6 +3649,93 @@ def test_access_log_one_line_per_request_quiet_for_probes(server, caplog):
     assert len(lines) == 2 and "/version" in lines[0] and "/v1/models" in lines[1], lines
 
 
+# ---- bench.py: its arguments ----
+# Every bad input fails in resolve_args or check_paths, before any model loads: these tests run in process.
+
+
+def bench_cli(capsys, *argv):
+    import bench
+
+    rc = bench.cli(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--workload", "beam", "--beam-width", "0"], "--beam-width must be >= 1"),  # not the default width
+        (["--workload", "beam", "--max-num-seqs", "2"], "--beam-width must be >= 1 and <= --max-num-seqs (2)"),
+        (["--systems", "nanobatch,bogus"], "--systems: unknown system 'bogus'"),
+        (["--systems", "nanobatch,nanobatch-structured"], "--workload random does not run nanobatch-structured; it runs nanobatch, nanobatch-eager,"),
+        (["--workload", "host", "--systems", "hf-generate"], "--workload host does not run hf-generate; it runs nanobatch"),
+        (["--workload", "structured", "--systems", "nanobatch"], "--workload structured runs nanobatch and nanobatch-structured, and only them"),
+        (["--workload", "host", "--vllm-python", sys.executable], "--vllm-python runs the vllm system, which this run does not include"),
+        (["--prefix-len", "8"], "--prefix-len does not apply to --workload random; its workload flags are --min-prompt-len,"),
+        (["--workload", "beam", "--min-output-len", "8"], "--min-output-len does not apply to --workload beam"),
+        (["--workload", "host", "--plot", "x.png"], "--plot does not apply to --workload host; its workload flags are --max-prompt-len"),
+        (["--min-prompt-len", "9", "--max-prompt-len", "8"], "--min-prompt-len must be >= 1 and <= --max-prompt-len"),
+        (["--workload", "structured", "--max-output-len", "0"], "--max-output-len must be >= 1"),
+        (["--max-num-seqs", "9999"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (9999)"),  # the engine's check, in bench's flags
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
+        (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
+        (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
+        (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder /no/such/folder does not exist"),
+    ],
+)
+def test_bench_bad_arguments_are_one_clear_line(capsys, args, message):
+    rc, out, err = bench_cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and out == "", err
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+def test_bench_checks_the_lengths_each_workload_reads():
+    import bench
+
+    def resolve(*argv):
+        args = bench.build_arg_parser().parse_args(list(argv))
+        bench.resolve_args(args)
+        return args
+
+    beam = resolve("--workload", "beam", "--max-output-len", "8")  # beams ignore --min-output-len (its default is larger)
+    assert (beam.beam_width, beam.max_output_len, beam.prefix_len) == (bench.DEFAULT_BEAM_WIDTH, 8, 0)
+    assert resolve("--workload", "host", "--max-prompt-len", "64").max_prompt_len == 64  # host reads only --max-prompt-len
+    assert resolve("--workload", "shared-prefix").prefix_len == bench.DEFAULT_PREFIX_LEN
+    assert resolve("--workload", "beam").systems == ["nanobatch-beam", "hf-beam"] and resolve("--workload", "host").systems == ["nanobatch"]
+    assert "beam: nanobatch-beam,hf-beam; host: nanobatch" in bench.systems_help()  # --help names every workload's default
+
+
+@pytest.mark.parametrize("systems,reason", [("vllm", "vllm: skipped: no --vllm-python given"),
+                                            ("hf-generate", "hf-generate: skipped: could not load the model in transformers: ")])
+def test_bench_prints_why_no_system_ran(tmp_path, systems, reason):
+    """Every system skipped (no --vllm-python; a folder transformers cannot load): the reasons, then one error line."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--systems", systems, "--model", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1 and r.stdout.startswith(reason), r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)" and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_same_out_compares_with_the_first_greedy_system():
+    import bench
+
+    results = [bench.SystemResult(name, 1.0) for name in ("nanobatch-sampled", "nanobatch", "hf-generate")]
+    runs = [bench.Run([[9, 9], [9, 9]], 1.0), bench.Run([[1, 2], [3, 4]], 1.0), bench.Run([[1, 2], [3, 5]], 1.0)]
+    assert bench.mark_same_outputs(results, runs) == "nanobatch"
+    assert [r.num_same_outputs for r in results] == [None, 2, 1]
+    assert bench.mark_same_outputs(results[:1], runs[:1]) is None  # nothing greedy: nothing to compare
+
+
+def test_bench_counts_truncated_json_as_invalid(monkeypatch):
+    import bench
+
+    schema = bench.STRUCTURED_SCHEMAS["a person"]
+    cases = [('{"name": "Ada", "age": 36}', True), ('{"name": "Ada", "ag', False), ('{"name": "Ada"}', False), ('"Ada"', False)]
+    assert [bench.valid_json(text, schema) for text, _ in cases] == [ok for _, ok in cases]
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # not installed: JSON objects count, the schemas are not checked
+    assert [bench.valid_json(text, schema) for text, _ in cases] == [True, False, True, False]
+
+
 # ---- CLI ----
 
 
