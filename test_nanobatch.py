@@ -1839,6 +1839,19 @@ def test_unsupported_architecture(tmp_path):
         LLM(model=str(tmp_path))
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
+])
+def test_a_config_nanobatch_would_run_wrongly_is_refused(tmp_path, change, message):
+    """Refused from config.json alone, before any weights: a Llama it would otherwise run with the wrong layers."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **{"architectures": ["LlamaForCausalLM"], **change}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(model=str(tmp_path), **CPU)
+
+
 def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
     """Rejected from the config alone: the tokenizer and weights never load."""
     def never(*args, **kwargs):
