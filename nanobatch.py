@@ -602,6 +602,8 @@ class ModelConfig:
         arch = (getattr(hf, "architectures", None) or ["?"])[0]
         if arch not in cls.SUPPORTED and hf.model_type not in cls.SUPPORTED.values():
             raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(cls.SUPPORTED)}")
+        if arch != "?" and not arch.endswith("ForCausalLM"):  # a supported model_type with no LM head (LlamaModel) or another head
+            raise ValueError(f"architecture {arch!r} is not a causal LM (no head that predicts tokens); nanobatch runs {', '.join(cls.SUPPORTED)}")
         if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run as SiLU, silently wrong
             raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanobatch's MLP runs silu (SwiGLU)")
         # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling

@@ -1842,9 +1842,11 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
+    (dict(architectures=["LlamaModel"]), "architecture 'LlamaModel' is not a causal LM"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "architecture 'LlamaForSequenceClassification' is not a causal LM"),
 ])
 def test_a_config_nanobatch_would_run_wrongly_is_refused(tmp_path, change, message):
-    """Refused from config.json alone, before any weights: a Llama it would otherwise run with the wrong layers."""
+    """Refused from config.json alone, before any weights: a Llama whose activation or head nanobatch does not have."""
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **{"architectures": ["LlamaForCausalLM"], **change}).save_pretrained(tmp_path)
