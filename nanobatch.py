@@ -817,7 +817,14 @@ def load_model(path, dtype, device, on_config=None, tp=None):
 def _load_hf_weights(path, tp=None):
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    # the checkpoint's own files, as transformers picks them (vLLM too, by the index): a repo may also hold Mistral's
+    # consolidated.safetensors (the same weights under other names) or a LoRA's adapter_model.safetensors
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = glob.glob(os.path.join(path, "model.safetensors")) or sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         return tp.load_safetensors(files) if tp else {k: v for f in files for k, v in load_file(f).items()}  # hook (tp.py): lazy slices
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))

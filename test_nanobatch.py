@@ -1831,6 +1831,28 @@ def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_pat
         assert {2, 77} <= LLM(model=model, num_kv_blocks=8, **CPU).eos_token_ids, model
 
 
+def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
+    """A Mistral repo's layout, sharded model-*.safetensors with their index beside Mistral's own consolidated.safetensors
+    (the same weights under other names), and a LoRA adapter beside either layout: only the index's files, or
+    model.safetensors, load."""
+    from safetensors.torch import save_file
+
+    folder, model = tiny_models["mistral"]
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    shutil.copytree(folder, sharded)
+    shutil.copytree(folder, single)
+    (sharded / "model.safetensors").unlink()
+    model.save_pretrained(sharded, max_shard_size="300KB")
+    assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    save_file({"layers.0.attention.wk.weight": torch.zeros(32, 64), "output.weight": torch.zeros(8, 64)}, sharded / "consolidated.safetensors")
+    for f in (sharded, single):
+        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}, f / "adapter_model.safetensors")
+    prompt = list(range(100, 140))
+    expected = hf_greedy(model, prompt, 8)
+    for f in (sharded, single):
+        assert LLM(model=str(f), num_kv_blocks=16, **CPU).generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected, f.name
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config
 
