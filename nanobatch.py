@@ -1492,7 +1492,10 @@ def gguf_config(meta, tensors):
     params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
     params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
     params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
-    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors)
+    if f"{arch}.attention.key_length" in meta:  # the head size, which need not be hidden / heads (Qwen3's); transformers maps it for few archs
+        params["head_dim"] = meta[f"{arch}.attention.key_length"]
+    # what llama.cpp's converter leaves to the tensors: an untied head, and q/k/v/o biases (a Llama with attention_bias)
+    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors)
 
 
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -132,6 +132,8 @@ def make_tiny_model(folder, family, tokenizer):
         "mistral": (tf.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
         "qwen2-bias": (tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
         "qwen3-qk-norm": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+        # not in TINY_FAMILIES: only the GGUF tests make them
+        "llama-attention-bias": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
     }
     config_cls, extra = configs[family]
     config = config_cls(**common, **extra)
@@ -727,6 +729,52 @@ def test_gguf_reader_rejects_other_files(tmp_path):
     fake.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
         LLM(model=str(fake))
+
+
+def write_gguf(path, model, arch="llama", meta=(), tensors=()):
+    """An HF model as llama.cpp's converter writes it, in F32: its key and tensor names, a llama's q and k rows (and
+    biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given."""
+    import gguf
+    import numpy as np
+
+    cfg = nanobatch.ModelConfig.from_hf(model.config)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": cfg.num_layers, "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+                       "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads,
+                       "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim, "rope.dimension_count": cfg.head_dim, "vocab_size": cfg.vocab_size}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    for key, value in dict(meta).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+    to_gguf = {hf: name for name, hf in nanobatch.GGUF_NAMES.items()}
+    for name, t in model.state_dict().items():
+        layer, part, suffix = re.fullmatch(r"(?:model\.layers\.(\d+)\.)?(.+)\.(\w+)", name).groups()
+        if part == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        t = t.float().numpy()
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            t = t.reshape(cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads, 2, -1, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}", np.ascontiguousarray(t))
+    for name, t in dict(tensors).items():
+        writer.add_tensor(name, t)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm"])
+def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer, tmp_path, monkeypatch):
+    """A tiny model converted as llama.cpp does gives HF's greedy tokens: a Llama's q/k/v/o biases and Qwen3's head size
+    (attention.key_length, not hidden / heads) read from the file."""
+    model = tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
+    meta, tensors, cfg = {}, {}, nanobatch.ModelConfig.from_hf(model.config)
+    path = write_gguf(tmp_path / "tiny.gguf", model, "qwen3" if family.startswith("qwen3") else "llama", meta, tensors)
+    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)  # the file holds no vocabulary
+    llm = LLM(model=path, num_kv_blocks=32, **CPU)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 150)]
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16), f"{family}, prompt of {len(prompt)} tokens"
 
 
 def test_text_prompts_and_detokenization(default_llm, default_hf):
