@@ -646,9 +646,10 @@ def rope_inv_freq(cfg: ModelConfig):
 
 
 class Rotary(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, divisors=None):  # divisors: a GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (head_dim / 2,) fp32
+        inv_freq = rope_inv_freq(cfg) if divisors is None else rope_inv_freq(cfg) / divisors.float()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim / 2,) fp32
 
     def cos_sin(self, positions, dtype):
         # computed per step in fp32 from the positions, as HF does (a table would need max_model_len rows)
@@ -790,6 +791,7 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
     tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
+    rope_freqs = state.pop("rope_freqs.weight", None)  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
     with torch.device("meta"):
         model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet; hook (tp.py): this rank's shapes
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
@@ -801,7 +803,7 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     else:  # hook (tp.py): this rank's slices of the checkpoint's tensors, copied into an empty model
         state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
         model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
+    model.rotary = Rotary(cfg, rope_freqs).to(device)  # not in the checkpoint (but for rope_freqs); its frequencies stay fp32
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -1494,18 +1496,22 @@ def gguf_config(meta, tensors):
     params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
     if f"{arch}.attention.key_length" in meta:  # the head size, which need not be hidden / heads (Qwen3's); transformers maps it for few archs
         params["head_dim"] = meta[f"{arch}.attention.key_length"]
+    scaling = {hf: meta[f"{arch}.rope.scaling.{key}"] for key, hf in (("type", "rope_type"), ("factor", "factor"), ("original_context_length", "original_max_position_embeddings"))
+               if f"{arch}.rope.scaling.{key}" in meta}
+    if scaling.get("rope_type", "none") != "none":  # linear, or yarn (which ModelConfig refuses); Llama 3's comes as the rope_freqs tensor
+        params["rope_scaling"] = scaling
     # what llama.cpp's converter leaves to the tensors: an untied head, and q/k/v/o biases (a Llama with attention_bias)
     return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors)
 
 
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's tensor names -> HF's
+              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "rope_freqs": "rope_freqs"}  # llama.cpp's tensor names -> HF's
 
 
 def gguf_weights(meta, tensors, cfg):
-    """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
-    converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
+    """A GGUF's weights dequantized to fp32 under HF's names (Llama 3's rope_freqs as is: load_model gives it to the
+    rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
     import gguf as gguf_lib
     import numpy as np
 

@@ -134,6 +134,7 @@ def make_tiny_model(folder, family, tokenizer):
         "qwen3-qk-norm": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
         # not in TINY_FAMILIES: only the GGUF tests make them
         "llama-attention-bias": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
+        "llama-linear-rope": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     }
     config_cls, extra = configs[family]
     config = config_cls(**common, **extra)
@@ -762,12 +763,18 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=()):
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm", "llama3-rope-scaling", "llama-linear-rope"])
 def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer, tmp_path, monkeypatch):
     """A tiny model converted as llama.cpp does gives HF's greedy tokens: a Llama's q/k/v/o biases and Qwen3's head size
-    (attention.key_length, not hidden / heads) read from the file."""
+    (attention.key_length, not hidden / heads) read from the file; Llama 3's rope scaling as llama.cpp keeps it, a
+    rope_freqs tensor of divisors per rotary pair (here HF's own), and linear scaling from the rope.scaling keys."""
     model = tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
     meta, tensors, cfg = {}, {}, nanobatch.ModelConfig.from_hf(model.config)
+    if family == "llama3-rope-scaling":
+        unscaled = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        tensors["rope_freqs.weight"] = (unscaled / model.model.rotary_emb.inv_freq).numpy()
+    if family == "llama-linear-rope":
+        meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
     path = write_gguf(tmp_path / "tiny.gguf", model, "qwen3" if family.startswith("qwen3") else "llama", meta, tensors)
     monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)  # the file holds no vocabulary
     llm = LLM(model=path, num_kv_blocks=32, **CPU)
@@ -775,6 +782,14 @@ def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer,
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 150)]
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16), f"{family}, prompt of {len(prompt)} tokens"
+
+
+def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path):
+    """Refused with a ValueError that says why: yarn rope scaling (unsupported, as from a HF folder)."""
+    model = tiny_models["llama-gqa-untied"][1]
+    yarn = write_gguf(tmp_path / "yarn.gguf", model, meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 256})
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        LLM(model=yarn, **CPU)
 
 
 def test_text_prompts_and_detokenization(default_llm, default_hf):
