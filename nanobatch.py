@@ -1454,8 +1454,12 @@ def read_gguf(path):
     import struct
     import numpy as np
 
+    truncated = f"{path!r} is truncated: not a complete GGUF file (an interrupted download?)"
     with open(path, "rb") as f:
-        take = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))  # noqa: E731 (the next values, by struct's codes)
+        def take(fmt):  # the next values, by struct's codes
+            if len(raw := f.read(size := struct.calcsize("<" + fmt))) < size:
+                raise ValueError(truncated)
+            return struct.unpack("<" + fmt, raw)
 
         def value(kind):  # GGUF's value types 0..12: 8 a string, 9 an array, the others a number by struct code
             if kind == 9:
@@ -1472,6 +1476,8 @@ def read_gguf(path):
     import gguf  # (after the header: a file that is not GGUF gets its error without the gguf package)
 
     data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
+    if any(start + offset + math.prod(gguf.quant_shape_to_byte_shape(shape, kind)) > len(data) for _, shape, kind, offset in table):
+        raise ValueError(truncated)
     return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
                   for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes
 
@@ -1488,9 +1494,9 @@ def gguf_config(meta, tensors):
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}{'' if arch else ' (the file has no general.architecture)'}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
     params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
     params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
     params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})

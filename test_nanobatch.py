@@ -785,8 +785,21 @@ def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer,
 
 
 def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path):
-    """Refused with a ValueError that says why: yarn rope scaling (unsupported, as from a HF folder)."""
+    """Refused with a ValueError that says why: an empty file, one cut in its header or in its tensors (an interrupted
+    download), one that names no architecture, yarn rope scaling (unsupported, as from a HF folder)."""
+    import gguf
+
     model = tiny_models["llama-gqa-untied"][1]
+    whole = open(write_gguf(tmp_path / "whole.gguf", model), "rb").read()
+    for name, data in {"empty": b"", "header": whole[:200], "tensors": whole[:len(whole) // 2]}.items():
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match="is truncated: not a complete GGUF file"):
+            LLM(model=str(tmp_path / f"{name}.gguf"), **CPU)
+    writer = gguf.GGUFWriter(str(tmp_path / "no_arch.gguf"), "llama")
+    del writer.kv_data[0]["general.architecture"]
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ValueError, match="has no general.architecture"):
+        LLM(model=str(tmp_path / "no_arch.gguf"), **CPU)
     yarn = write_gguf(tmp_path / "yarn.gguf", model, meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 256})
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         LLM(model=yarn, **CPU)
