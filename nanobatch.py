@@ -804,6 +804,9 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
         model = model.to_empty(device=device)
     model.rotary = Rotary(cfg, rope_freqs).to(device)  # not in the checkpoint (but for rope_freqs); its frequencies stay fp32
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # else load_state_dict's RuntimeError, which does not name the config
+    if wrong := [f"{k} {tuple(v.shape)} (the config's {shapes[k]})" for k, v in state.items() if k in shapes and tuple(v.shape) != shapes[k]]:
+        raise ValueError(f"checkpoint does not match the sizes of its {type(hf_config).__name__}: {', '.join(wrong[:3])}")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")

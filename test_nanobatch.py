@@ -1929,6 +1929,16 @@ def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
         assert LLM(model=str(f), num_kv_blocks=16, **CPU).generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected, f.name
 
 
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tiny_models, tmp_path):
+    """Sizes that disagree with config.json get nanobatch's ValueError naming both, not load_state_dict's RuntimeError."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 50000}))
+    with pytest.raises(ValueError, match="does not match the sizes of its LlamaConfig: .*" + re.escape(f"model.embed_tokens.weight ({config['vocab_size']}, 64) (the config's (50000, 64))")):
+        LLM(model=str(folder), **CPU)
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config
 
