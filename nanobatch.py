@@ -794,6 +794,10 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     rope_freqs = state.pop("rope_freqs.weight", None)  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
     with torch.device("meta"):
         model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet; hook (tp.py): this rank's shapes
+    if not (cfg.tie_word_embeddings or "lm_head.weight" in state):  # refused, as vLLM does, where config.json says untied; one that does not say ties
+        with open(os.path.join(path, "config.json")) as f:
+            if "tie_word_embeddings" in json.load(f):
+                raise ValueError(f"config.json says tie_word_embeddings false, but the checkpoint in {path!r} has no lm_head.weight")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}

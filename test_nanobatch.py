@@ -1930,13 +1930,27 @@ def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
 
 
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tiny_models, tmp_path):
-    """Sizes that disagree with config.json get nanobatch's ValueError naming both, not load_state_dict's RuntimeError."""
+    """Sizes that disagree with config.json get nanobatch's ValueError naming both, not load_state_dict's RuntimeError;
+    an untied config.json whose checkpoint has no lm_head.weight is refused (as vLLM does) rather than tied; a
+    config.json that does not say tie_word_embeddings still ties such a checkpoint, as before."""
+    from safetensors.torch import load_file, save_file
+
     folder = tmp_path / "tiny"
     shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 50000}))
     with pytest.raises(ValueError, match="does not match the sizes of its LlamaConfig: .*" + re.escape(f"model.embed_tokens.weight ({config['vocab_size']}, 64) (the config's (50000, 64))")):
         LLM(model=str(folder), **CPU)
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors")
+    assert config["tie_word_embeddings"] is False
+    with pytest.raises(ValueError, match="config.json says tie_word_embeddings false, but the checkpoint .* has no lm_head.weight"):
+        LLM(model=str(folder), **CPU)
+    del config["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert LLM(model=str(folder), num_kv_blocks=8, **CPU).generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_unsupported_architecture(tmp_path):
