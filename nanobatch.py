@@ -600,10 +600,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf):
         arch = (getattr(hf, "architectures", None) or ["?"])[0]
-        if arch not in cls.SUPPORTED and hf.model_type not in cls.SUPPORTED.values():
+        # a supported model_type is not enough: LlamaModel has no LM head, LlamaForSequenceClassification another head
+        if arch not in cls.SUPPORTED and (hf.model_type not in cls.SUPPORTED.values() or not arch.endswith(("ForCausalLM", "?"))):
             raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(cls.SUPPORTED)}")
-        if arch != "?" and not arch.endswith("ForCausalLM"):  # a supported model_type with no LM head (LlamaModel) or another head
-            raise ValueError(f"architecture {arch!r} is not a causal LM (no head that predicts tokens); nanobatch runs {', '.join(cls.SUPPORTED)}")
         if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run as SiLU, silently wrong
             raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanobatch's MLP runs silu (SwiGLU)")
         # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling
@@ -648,8 +647,7 @@ def rope_inv_freq(cfg: ModelConfig):
 class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, divisors=None):  # divisors: a GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
         super().__init__()
-        inv_freq = rope_inv_freq(cfg) if divisors is None else rope_inv_freq(cfg) / divisors.float()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim / 2,) fp32
+        self.register_buffer("inv_freq", rope_inv_freq(cfg) / (1.0 if divisors is None else divisors.float()), persistent=False)  # (head_dim / 2,) fp32
 
     def cos_sin(self, positions, dtype):
         # computed per step in fp32 from the positions, as HF does (a table would need max_model_len rows)
@@ -828,8 +826,7 @@ def _load_hf_weights(path, tp=None):
 
     # the checkpoint's own files, as transformers picks them (vLLM too, by the index): a repo may also hold Mistral's
     # consolidated.safetensors (the same weights under other names) or a LoRA's adapter_model.safetensors
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if os.path.exists(index := os.path.join(path, "model.safetensors.index.json")):
         with open(index) as f:
             files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
     else:

@@ -1964,8 +1964,8 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
-    (dict(architectures=["LlamaModel"]), "architecture 'LlamaModel' is not a causal LM"),
-    (dict(architectures=["LlamaForSequenceClassification"]), "architecture 'LlamaForSequenceClassification' is not a causal LM"),
+    (dict(architectures=["LlamaModel"]), "unsupported architecture 'LlamaModel' (model_type 'llama')"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "unsupported architecture 'LlamaForSequenceClassification'"),
 ])
 def test_a_config_nanobatch_would_run_wrongly_is_refused(tmp_path, change, message):
     """Refused from config.json alone, before any weights: a Llama whose activation or head nanobatch does not have."""
