@@ -600,8 +600,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf):
         arch = (getattr(hf, "architectures", None) or ["?"])[0]
-        if arch not in cls.SUPPORTED and hf.model_type not in cls.SUPPORTED.values():
+        # a supported model_type is not enough: LlamaModel has no LM head, LlamaForSequenceClassification another head
+        if arch not in cls.SUPPORTED and (hf.model_type not in cls.SUPPORTED.values() or not arch.endswith(("ForCausalLM", "?"))):
             raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(cls.SUPPORTED)}")
+        if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run as SiLU, silently wrong
+            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanobatch's MLP runs silu (SwiGLU)")
         # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
@@ -642,9 +645,9 @@ def rope_inv_freq(cfg: ModelConfig):
 
 
 class Rotary(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, divisors=None):  # divisors: a GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # (head_dim / 2,) fp32
+        self.register_buffer("inv_freq", rope_inv_freq(cfg) / (1.0 if divisors is None else divisors.float()), persistent=False)  # (head_dim / 2,) fp32
 
     def cos_sin(self, positions, dtype):
         # computed per step in fp32 from the positions, as HF does (a table would need max_model_len rows)
@@ -786,8 +789,13 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
     tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
+    rope_freqs = state.pop("rope_freqs.weight", None)  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
     with torch.device("meta"):
         model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet; hook (tp.py): this rank's shapes
+    if not (cfg.tie_word_embeddings or "lm_head.weight" in state):  # refused, as vLLM does, where config.json says untied; one that does not say ties
+        with open(os.path.join(path, "config.json")) as f:
+            if "tie_word_embeddings" in json.load(f):
+                raise ValueError(f"config.json says tie_word_embeddings false, but the checkpoint in {path!r} has no lm_head.weight")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -797,7 +805,10 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     else:  # hook (tp.py): this rank's slices of the checkpoint's tensors, copied into an empty model
         state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
         model = model.to_empty(device=device)
-    model.rotary = Rotary(cfg).to(device)  # not in the checkpoint; its frequencies stay fp32
+    model.rotary = Rotary(cfg, rope_freqs).to(device)  # not in the checkpoint (but for rope_freqs); its frequencies stay fp32
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # else load_state_dict's RuntimeError, which does not name the config
+    if wrong := [f"{k} {tuple(v.shape)} (the config's {shapes[k]})" for k, v in state.items() if k in shapes and tuple(v.shape) != shapes[k]]:
+        raise ValueError(f"checkpoint does not match the sizes of its {type(hf_config).__name__}: {', '.join(wrong[:3])}")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -813,7 +824,13 @@ def load_model(path, dtype, device, on_config=None, tp=None):
 def _load_hf_weights(path, tp=None):
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    # the checkpoint's own files, as transformers picks them (vLLM too, by the index): a repo may also hold Mistral's
+    # consolidated.safetensors (the same weights under other names) or a LoRA's adapter_model.safetensors
+    if os.path.exists(index := os.path.join(path, "model.safetensors.index.json")):
+        with open(index) as f:
+            files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = glob.glob(os.path.join(path, "model.safetensors")) or sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         return tp.load_safetensors(files) if tp else {k: v for f in files for k, v in load_file(f).items()}  # hook (tp.py): lazy slices
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
@@ -1446,8 +1463,12 @@ def read_gguf(path):
     import struct
     import numpy as np
 
+    truncated = f"{path!r} is truncated: not a complete GGUF file (an interrupted download?)"
     with open(path, "rb") as f:
-        take = lambda fmt: struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))  # noqa: E731 (the next values, by struct's codes)
+        def take(fmt):  # the next values, by struct's codes
+            if len(raw := f.read(size := struct.calcsize("<" + fmt))) < size:
+                raise ValueError(truncated)
+            return struct.unpack("<" + fmt, raw)
 
         def value(kind):  # GGUF's value types 0..12: 8 a string, 9 an array, the others a number by struct code
             if kind == 9:
@@ -1464,6 +1485,8 @@ def read_gguf(path):
     import gguf  # (after the header: a file that is not GGUF gets its error without the gguf package)
 
     data = np.memmap(path, mode="c")  # copy-on-write: views that torch can wrap without a copy; the file stays as it is
+    if any(start + offset + math.prod(gguf.quant_shape_to_byte_shape(shape, kind)) > len(data) for _, shape, kind, offset in table):
+        raise ValueError(truncated)
     return meta, {name: (shape, kind, data[start + offset:][:math.prod(rows := gguf.quant_shape_to_byte_shape(shape, kind))].reshape(rows))
                   for name, shape, kind, offset in table}  # rows: whole blocks of ggml's type, in bytes
 
@@ -1480,23 +1503,30 @@ def gguf_config(meta, tensors):
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}{'' if arch else ' (the file has no general.architecture)'}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}")
     params = {hf: meta[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_MAPPING[arch].items() if isinstance(hf, str) and f"{arch}.{key}" in meta}
     params.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or None)
     params.update({f"{hf}_token_id": meta[f"tokenizer.ggml.{key}_token_id"] for hf, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")) if f"tokenizer.ggml.{key}_token_id" in meta})
-    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors)
+    if f"{arch}.attention.key_length" in meta:  # the head size, which need not be hidden / heads (Qwen3's); transformers maps it for few archs
+        params["head_dim"] = meta[f"{arch}.attention.key_length"]
+    scaling = {hf: meta[f"{arch}.rope.scaling.{key}"] for key, hf in (("type", "rope_type"), ("factor", "factor"), ("original_context_length", "original_max_position_embeddings"))
+               if f"{arch}.rope.scaling.{key}" in meta}
+    if scaling.get("rope_type", "none") != "none":  # linear, or yarn (which ModelConfig refuses); Llama 3's comes as the rope_freqs tensor
+        params["rope_scaling"] = scaling
+    # what llama.cpp's converter leaves to the tensors: an untied head, and q/k/v/o biases (a Llama with attention_bias)
+    return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors)
 
 
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's tensor names -> HF's
+              "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "rope_freqs": "rope_freqs"}  # llama.cpp's tensor names -> HF's
 
 
 def gguf_weights(meta, tensors, cfg):
-    """A GGUF's weights dequantized to fp32 under HF's names (not llama 3's rope_freqs). llama.cpp's
-    converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
+    """A GGUF's weights dequantized to fp32 under HF's names (Llama 3's rope_freqs as is: load_model gives it to the
+    rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
     import gguf as gguf_lib
     import numpy as np
 

@@ -132,6 +132,9 @@ def make_tiny_model(folder, family, tokenizer):
         "mistral": (tf.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
         "qwen2-bias": (tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
         "qwen3-qk-norm": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+        # not in TINY_FAMILIES: only the GGUF tests make them
+        "llama-attention-bias": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
+        "llama-linear-rope": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     }
     config_cls, extra = configs[family]
     config = config_cls(**common, **extra)
@@ -727,6 +730,79 @@ def test_gguf_reader_rejects_other_files(tmp_path):
     fake.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file of version 2 or 3"):
         LLM(model=str(fake))
+
+
+def write_gguf(path, model, arch="llama", meta=(), tensors=()):
+    """An HF model as llama.cpp's converter writes it, in F32: its key and tensor names, a llama's q and k rows (and
+    biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given."""
+    import gguf
+    import numpy as np
+
+    cfg = nanobatch.ModelConfig.from_hf(model.config)
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": cfg.num_layers, "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+                       "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads,
+                       "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim, "rope.dimension_count": cfg.head_dim, "vocab_size": cfg.vocab_size}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    for key, value in dict(meta).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+    to_gguf = {hf: name for name, hf in nanobatch.GGUF_NAMES.items()}
+    for name, t in model.state_dict().items():
+        layer, part, suffix = re.fullmatch(r"(?:model\.layers\.(\d+)\.)?(.+)\.(\w+)", name).groups()
+        if part == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        t = t.float().numpy()
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            t = t.reshape(cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads, 2, -1, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}", np.ascontiguousarray(t))
+    for name, t in dict(tensors).items():
+        writer.add_tensor(name, t)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm", "llama3-rope-scaling", "llama-linear-rope"])
+def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer, tmp_path, monkeypatch):
+    """A tiny model converted as llama.cpp does gives HF's greedy tokens: a Llama's q/k/v/o biases and Qwen3's head size
+    (attention.key_length, not hidden / heads) read from the file; Llama 3's rope scaling as llama.cpp keeps it, a
+    rope_freqs tensor of divisors per rotary pair (here HF's own), and linear scaling from the rope.scaling keys."""
+    model = tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
+    meta, tensors, cfg = {}, {}, nanobatch.ModelConfig.from_hf(model.config)
+    if family == "llama3-rope-scaling":
+        unscaled = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        tensors["rope_freqs.weight"] = (unscaled / model.model.rotary_emb.inv_freq).numpy()
+    if family == "llama-linear-rope":
+        meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    path = write_gguf(tmp_path / "tiny.gguf", model, "qwen3" if family.startswith("qwen3") else "llama", meta, tensors)
+    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)  # the file holds no vocabulary
+    llm = LLM(model=path, num_kv_blocks=32, **CPU)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 150)]
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16), f"{family}, prompt of {len(prompt)} tokens"
+
+
+def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path):
+    """Refused with a ValueError that says why: an empty file, one cut in its header or in its tensors (an interrupted
+    download), one that names no architecture, yarn rope scaling (unsupported, as from a HF folder)."""
+    import gguf
+
+    model = tiny_models["llama-gqa-untied"][1]
+    whole = open(write_gguf(tmp_path / "whole.gguf", model), "rb").read()
+    for name, data in {"empty": b"", "header": whole[:200], "tensors": whole[:len(whole) // 2]}.items():
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match="is truncated: not a complete GGUF file"):
+            LLM(model=str(tmp_path / f"{name}.gguf"), **CPU)
+    writer = gguf.GGUFWriter(str(tmp_path / "no_arch.gguf"), "llama")
+    del writer.kv_data[0]["general.architecture"]
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ValueError, match="has no general.architecture"):
+        LLM(model=str(tmp_path / "no_arch.gguf"), **CPU)
+    yarn = write_gguf(tmp_path / "yarn.gguf", model, meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 256})
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        LLM(model=yarn, **CPU)
 
 
 def test_text_prompts_and_detokenization(default_llm, default_hf):
@@ -1871,12 +1947,73 @@ def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_pat
         assert {2, 77} <= LLM(model=model, num_kv_blocks=8, **CPU).eos_token_ids, model
 
 
+def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
+    """A Mistral repo's layout, sharded model-*.safetensors with their index beside Mistral's own consolidated.safetensors
+    (the same weights under other names), and a LoRA adapter beside either layout: only the index's files, or
+    model.safetensors, load."""
+    from safetensors.torch import save_file
+
+    folder, model = tiny_models["mistral"]
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    shutil.copytree(folder, sharded)
+    shutil.copytree(folder, single)
+    (sharded / "model.safetensors").unlink()
+    model.save_pretrained(sharded, max_shard_size="300KB")
+    assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    save_file({"layers.0.attention.wk.weight": torch.zeros(32, 64), "output.weight": torch.zeros(8, 64)}, sharded / "consolidated.safetensors")
+    for f in (sharded, single):
+        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}, f / "adapter_model.safetensors")
+    prompt = list(range(100, 140))
+    expected = hf_greedy(model, prompt, 8)
+    for f in (sharded, single):
+        assert LLM(model=str(f), num_kv_blocks=16, **CPU).generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected, f.name
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tiny_models, tmp_path):
+    """Sizes that disagree with config.json get nanobatch's ValueError naming both, not load_state_dict's RuntimeError;
+    an untied config.json whose checkpoint has no lm_head.weight is refused (as vLLM does) rather than tied; a
+    config.json that does not say tie_word_embeddings still ties such a checkpoint, as before."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 50000}))
+    with pytest.raises(ValueError, match="does not match the sizes of its LlamaConfig: .*" + re.escape(f"model.embed_tokens.weight ({config['vocab_size']}, 64) (the config's (50000, 64))")):
+        LLM(model=str(folder), **CPU)
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors")
+    assert config["tie_word_embeddings"] is False
+    with pytest.raises(ValueError, match="config.json says tie_word_embeddings false, but the checkpoint .* has no lm_head.weight"):
+        LLM(model=str(folder), **CPU)
+    del config["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert LLM(model=str(folder), num_kv_blocks=8, **CPU).generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LLM(model=str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
+    (dict(architectures=["LlamaModel"]), "unsupported architecture 'LlamaModel' (model_type 'llama')"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "unsupported architecture 'LlamaForSequenceClassification'"),
+])
+def test_a_config_nanobatch_would_run_wrongly_is_refused(tmp_path, change, message):
+    """Refused from config.json alone, before any weights: a Llama whose activation or head nanobatch does not have."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **{"architectures": ["LlamaForCausalLM"], **change}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(model=str(tmp_path), **CPU)
 
 
 def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
