@@ -599,12 +599,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf):
-        arch = (getattr(hf, "architectures", None) or ["?"])[0]
-        # a supported model_type is not enough: LlamaModel has no LM head, LlamaForSequenceClassification another head
-        if arch not in cls.SUPPORTED and (hf.model_type not in cls.SUPPORTED.values() or not arch.endswith(("ForCausalLM", "?"))):
-            raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(cls.SUPPORTED)}")
-        if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run as SiLU, silently wrong
-            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanobatch's MLP runs silu (SwiGLU)")
+        check_model_type(hf, cls.SUPPORTED)  # hook (Validation): a model this code would run wrongly is refused
         # transformers >= 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
@@ -790,12 +785,9 @@ def load_model(path, dtype, device, on_config=None, tp=None):
     tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop("rope_freqs.weight", None)  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
+    check_checkpoint(path, cfg, hf_config, state)  # hook (Validation): the tensors' sizes, and a missing head config.json says is untied
     with torch.device("meta"):
         model = Model(tp.shard_config(cfg) if tp else cfg).to(dtype)  # no memory yet; hook (tp.py): this rank's shapes
-    if not (cfg.tie_word_embeddings or "lm_head.weight" in state):  # refused, as vLLM does, where config.json says untied; one that does not say ties
-        with open(os.path.join(path, "config.json")) as f:
-            if "tie_word_embeddings" in json.load(f):
-                raise ValueError(f"config.json says tie_word_embeddings false, but the checkpoint in {path!r} has no lm_head.weight")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
@@ -806,9 +798,6 @@ def load_model(path, dtype, device, on_config=None, tp=None):
         state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
         model = model.to_empty(device=device)
     model.rotary = Rotary(cfg, rope_freqs).to(device)  # not in the checkpoint (but for rope_freqs); its frequencies stay fp32
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # else load_state_dict's RuntimeError, which does not name the config
-    if wrong := [f"{k} {tuple(v.shape)} (the config's {shapes[k]})" for k, v in state.items() if k in shapes and tuple(v.shape) != shapes[k]]:
-        raise ValueError(f"checkpoint does not match the sizes of its {type(hf_config).__name__}: {', '.join(wrong[:3])}")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -1279,8 +1268,8 @@ class LLM:
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
 # =====================================================================================
 #
-# Everything below joins the engine at a named place: check_* / validate_prompts / tokenize_prompt
-# (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
+# Everything below joins the engine at a named place: check_* (check_model_type, check_checkpoint, ...) /
+# validate_prompts / tokenize_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
 # BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
 # (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
@@ -1385,6 +1374,32 @@ def check_sampling_params(p: SamplingParams):
     if p.top_k == -1:
         p.top_k = 0
     p.logit_bias = {t: min(max(b, -100.0), 100.0) for t, b in p.logit_bias.items()}  # OpenAI's range, as vLLM's server
+
+
+def check_model_type(hf, supported):
+    arch = (getattr(hf, "architectures", None) or ["?"])[0]
+    # a supported model_type is not enough: LlamaModel has no LM head, LlamaForSequenceClassification another head
+    if arch not in supported and (hf.model_type not in supported.values() or not arch.endswith(("ForCausalLM", "?"))):
+        raise ValueError(f"unsupported architecture {arch!r} (model_type {hf.model_type!r}); nanobatch runs {', '.join(supported)}")
+    if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: another activation would run as SiLU, silently wrong
+        raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanobatch's MLP runs silu (SwiGLU)")
+
+
+def check_checkpoint(path, cfg, hf_config, state):
+    """The checkpoint against its config before any tensor is placed: where config.json says untied, a missing
+    head is refused, as vLLM does (a config.json that does not say ties it); tensors of other sizes than the
+    whole model's get an error that names the config (load_state_dict's would not). state: name -> tensor,
+    or a lazy safetensors slice under tensor parallelism."""
+    config_json = os.path.join(path, "config.json")
+    if not (cfg.tie_word_embeddings or "lm_head.weight" in state) and os.path.isfile(config_json):
+        with open(config_json) as f:
+            if "tie_word_embeddings" in json.load(f):
+                raise ValueError(f"config.json says tie_word_embeddings false, but the checkpoint in {path!r} has no lm_head.weight")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    shape = lambda t: tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)  # noqa: E731
+    if wrong := [f"{k} {shape(v)} (the config's {shapes[k]})" for k, v in state.items() if k in shapes and shape(v) != shapes[k]]:
+        raise ValueError(f"checkpoint does not match the sizes of its {type(hf_config).__name__}: {', '.join(wrong[:3])}")
 
 
 def check_fits(llm, token_ids, params):
