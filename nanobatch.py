@@ -967,6 +967,7 @@ class LLM:
         self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
+        self.owed: list[RequestOutput] = []  # final outputs of add_request's requests that ended inside generate(): the same
         self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self.request_counter, self.seq_counter = itertools.count(), itertools.count()
         self.stats = EngineStats()
@@ -1072,7 +1073,11 @@ class LLM:
         return child
 
     def abort_request(self, request_id):
-        """Stop a request now (finish_reason "abort") and free its blocks."""
+        """Stop a request (or each of a list of them, as vLLM's) now: finish_reason "abort", its blocks freed."""
+        if isinstance(request_id, (list, tuple, set)):
+            for i in request_id:
+                self.abort_request(i)
+            return
         request = self.requests.get(str(request_id))
         if request is None:
             return
@@ -1088,7 +1093,7 @@ class LLM:
         self.allocator.reset_cache()
 
     def has_unfinished_requests(self):
-        return self.scheduler.has_unfinished() or bool(self.aborted)  # an abort's final output is still to come
+        return self.scheduler.has_unfinished() or bool(self.aborted or self.owed)  # a final output is still to come
 
     # -- one step --
 
@@ -1226,10 +1231,13 @@ class LLM:
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
 
-    def _collect_aborted(self):
-        """Aborted requests end exactly once: their final output comes out of the next step."""
-        done = [self._make_output(r) for r in self.aborted if r.request_id in self.requests]
-        self.aborted.clear()
+    def _collect_aborted(self, only=None):
+        """Aborted requests end exactly once: their final output comes out of the next step, with the outputs
+        owed by generate(). only: these request ids' aborts alone (generate's own); the rest wait for the step."""
+        mine = [r for r in self.aborted if only is None or r.request_id in only]
+        self.aborted = [r for r in self.aborted if r not in mine]
+        done = [self._make_output(r) for r in mine if r.request_id in self.requests]
+        done, self.owed = (self.owed + done, []) if only is None else (done, self.owed)
         return done
 
     # -- the offline API --
@@ -1237,25 +1245,28 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in input order.
         prompts: a string, a token-id list, a {"prompt" / "prompt_token_ids"} dict, or a list of
-        them. (Requests queued earlier with add_request run along; their outputs are not returned here.)"""
+        them. (Requests queued earlier with add_request run along; the final outputs of those that end meanwhile
+        come out of the next step(), not here.)"""
         # hook (Validation): every prompt is checked before any is queued; only final outputs (no per-step copies)
         validated = validate_prompts(self, prompts, sampling_params, output_kind="final_only")
-        ids, finished, bar = [], {}, None
+        ids, finished, others, bar = [], {}, [], None
         try:
             for v in validated:
                 ids.append(self._enqueue(*v))  # one at a time: whatever was queued is aborted below if this raises
             bar = _GenerateProgress(self, ids) if use_tqdm else None
-            while self.has_unfinished_requests():
+            mine = set(ids)
+            while len(finished) < len(ids):  # its own requests; the others run on in the caller's steps
                 outputs = self.step()
-                finished.update((out.request_id, out) for out in outputs)
+                finished.update((out.request_id, out) for out in outputs if out.request_id in mine)
+                others += [out for out in outputs if out.finished and out.request_id not in mine]
                 if bar is not None:
                     bar.update(outputs)
         except BaseException:
-            for request_id in ids:  # a failed or interrupted run leaves nothing behind
-                self.abort_request(request_id)
-            self._collect_aborted()
+            self.abort_request(ids)  # a failed or interrupted run leaves nothing of its own behind
+            self._collect_aborted(only=ids)
             raise
         finally:
+            self.owed += others  # the next step() gives them to the caller
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]

@@ -1014,7 +1014,26 @@ def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
     with pytest.raises(RuntimeError, match="the model failed"):
         tiny_llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
     monkeypatch.undo()
+    # the requests it did not add ended meanwhile: their final outputs come out of the next step, once
+    assert {o.request_id: o.outputs[0].finish_reason for o in tiny_llm.step()} == {"clash": "abort", taken: "length"}
     assert not tiny_llm.has_unfinished_requests() and not tiny_llm.requests
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_generate_beside_a_callers_own_loop_loses_no_output(tiny_llm):
+    """A caller that drives step() and calls generate() in between (vLLM's LLMEngine style): generate returns
+    its own outputs and stops when they end; the caller's requests run on, and the final output of one that
+    ended inside generate comes out of the caller's next step; abort_request takes a list of ids, as vLLM's."""
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    short, long, gone = (tiny_llm.add_request(p, dataclasses.replace(params, max_tokens=m)) for p, m in (([5, 6], 2), ([7, 8], 30), ([9], 30)))
+    tiny_llm.step()
+    tiny_llm.abort_request([gone])
+    assert len(tiny_llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert long in tiny_llm.requests, "the caller's request still runs, generate does not finish it"
+    finals = {}
+    while tiny_llm.has_unfinished_requests():
+        finals.update((o.request_id, o.outputs[0].finish_reason) for o in tiny_llm.step() if o.finished)
+    assert finals == {short: "length", long: "length", gone: "abort"}
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
