@@ -759,12 +759,7 @@ def read_config(path):
     from transformers import AutoConfig
 
     path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (give a local HF folder or a .gguf file; nothing is downloaded)")
-    if os.path.isfile(path) and not path.endswith(".gguf"):
-        raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"model folder {path!r} has no config.json")
+    check_model_path(path)  # hook (Validation): a local HF folder with a config.json, or a .gguf file
     gguf = read_gguf(path) if os.path.isfile(path) else None  # hook (GGUF files): metadata and a memory map of the tensors
     return (gguf_config(*gguf) if gguf else AutoConfig.from_pretrained(path)), gguf
 
@@ -1279,7 +1274,7 @@ class LLM:
 # ==== End of Part I: the engine. Part II: plug-ins, each reached from one hook above ====
 # =====================================================================================
 #
-# Everything below joins the engine at a named place: check_* (check_model_type, check_checkpoint, ...) /
+# Everything below joins the engine at a named place: check_* (check_model_path, check_checkpoint, ...) /
 # validate_prompts / tokenize_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
 # BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
@@ -1385,6 +1380,15 @@ def check_sampling_params(p: SamplingParams):
     if p.top_k == -1:
         p.top_k = 0
     p.logit_bias = {t: min(max(b, -100.0), 100.0) for t, b in p.logit_bias.items()}  # OpenAI's range, as vLLM's server
+
+
+def check_model_path(path):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (give a local HF folder or a .gguf file; nothing is downloaded)")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model folder {path!r} has no config.json")
 
 
 def check_model_type(hf, supported):
