@@ -1309,13 +1309,15 @@ def greedy_tokens(logits, chunk=1024, loops=True):
 def sample_nucleus(x, top_p, min_p, uniforms, exact, max_rounds=64):
     """Top-p (and min-p) without sorting the vocabulary, by rejection (the sampler's path for top-p
     alone on a CPU, where a full sort per row is what costs): draw from the whole distribution and
-    accept the token if the tokens more likely than it hold at most top_p of the mass (it is then in
-    the nucleus) and it passes min-p. An accepted draw follows the distribution restricted to the kept
+    accept the token if it passes min-p and the tokens more likely than it hold less than top_p of the
+    mass min-p keeps (vLLM's order: min-p first; it is then in the nucleus, ties kept together as the
+    sampler's sort path keeps them). An accepted draw follows the distribution restricted to the kept
     tokens, exactly; the kept mass is >= top_p, so a row needs about 1 / top_p rounds. Rows still
     undecided after max_rounds go to exact(x, num_best, top_k, top_p, min_p, u), the sampler's sort.
     x (R, vocab); uniforms(list of rows) -> (len,) draws -> token ids (R,)."""
     probs = torch.softmax(x, dim=-1)  # (R, vocab)
     cdf, floor = probs.cumsum(dim=-1), min_p * probs.amax(dim=-1)
+    nucleus = top_p * torch.where(probs >= floor[:, None], probs, 0.0).sum(dim=-1)  # (R,): top_p of what min-p keeps
     tokens = torch.full((len(x),), -1, dtype=torch.int64, device=x.device)  # (R,), -1: not yet accepted
     for _ in range(max_rounds):
         rows = (tokens < 0).nonzero()[:, 0]
@@ -1326,7 +1328,7 @@ def sample_nucleus(x, top_p, min_p, uniforms, exact, max_rounds=64):
         draw = torch.searchsorted(pending_cdf, u[:, None], right=True).clamp_(max=x.shape[1] - 1)  # (n, 1)
         p = pending_probs.gather(1, draw)  # (n, 1)
         above = torch.where(pending_probs > p, pending_probs, 0.0).sum(dim=-1)  # mass of the strictly more likely tokens
-        accept = (above <= top_p[rows]) & (p[:, 0] >= floor[rows])
+        accept = (above < nucleus[rows]) & (p[:, 0] >= floor[rows])
         tokens[rows[accept]] = draw[accept, 0]
     undecided = tokens < 0  # (almost never: a kept mass below 1/64 under min-p) an exact sort decides them
     if undecided.any():

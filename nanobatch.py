@@ -915,16 +915,19 @@ def _uniforms(generators, engine_generator, device):
 
 
 def _sample_best(x, num_best, top_k, top_p, min_p, u):
-    """Top-k, then top-p on what top-k keeps, then min-p, over each row's num_best best
-    tokens (a partial sort; num_best >= every row's top-k). x (R, vocab) -> token ids (R,)."""
-    if num_best < x.shape[1]:
-        values, ids = x.topk(num_best, dim=-1)  # (R, K), best first
-    else:
-        values, ids = x.sort(dim=-1, descending=True)
-    keep = torch.arange(values.shape[1], device=x.device)[None, :] < top_k[:, None]  # top-k: (R, K)
-    probs = torch.softmax(values.masked_fill(~keep, -math.inf), dim=-1)  # over what top-k keeps
-    keep &= probs.cumsum(dim=-1) - probs <= top_p[:, None]  # top-p: the mass before this token has not reached top_p
-    return ids.gather(1, _draw(_min_p(probs * keep, min_p), u)[:, None])[:, 0]
+    """Min-p, top-k, then top-p on what they keep (vLLM's order), as thresholds on the probabilities: tokens
+    that tie at one are kept or dropped together, as vLLM's and HF's top-k keeps them. The thresholds are
+    read off each row's num_best best probabilities (a partial sort; num_best >= every row's top-k) and the
+    draw runs over the whole row in vocabulary order, so a seeded row's token does not depend on num_best
+    (the batch's largest top-k) nor on how a sort orders ties. x (R, vocab) -> token ids (R,)."""
+    probs = _min_p(torch.softmax(x, dim=-1), min_p)  # (R, vocab)
+    values = probs.topk(num_best, dim=-1).values if num_best < x.shape[1] else probs.sort(dim=-1, descending=True).values  # (R, K)
+    kth = values.gather(1, (top_k[:, None] - 1).clamp(max=values.shape[1] - 1))  # (R, 1): top-k keeps what is at least this likely
+    probs, values = probs.masked_fill(probs < kth, 0.0), values.masked_fill(values < kth, 0.0)
+    # top-p: a token stays while the tokens more likely than it hold less than top_p of the mass kept so far
+    before = values.cumsum(dim=-1) - values  # (R, K)
+    least = values.masked_fill(before >= top_p[:, None] * probs.sum(dim=-1, keepdim=True), math.inf).amin(dim=-1, keepdim=True)
+    return _draw(probs.masked_fill(probs < least, 0.0), u)
 
 
 def _min_p(probs, min_p):
@@ -1970,7 +1973,7 @@ def compute_logprobs(logits, token_ids, num_top):
     as Python lists (one device-to-host copy): (chosen, ranks, top values, top ids)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (S, vocab)
     chosen = logprobs.gather(1, token_ids[:, None])  # (S, 1)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (S,)
+    ranks = (logprobs >= chosen).sum(dim=-1)  # (S,): as vLLM's, a tied token gets the worst rank of its ties
     top = logprobs.topk(num_top, dim=-1)  # (S, num_top) values and ids
     return chosen[:, 0].tolist(), ranks.tolist(), top.values.tolist(), top.indices.tolist()
 

@@ -1059,21 +1059,19 @@ def test_engine_import_loads_no_web_stack():
 
 
 def clearly_excluded(logits, temperature, top_k, top_p, min_p):
-    """Tokens that top-k / top-p / min-p must exclude, with a small margin against rounding at the boundary."""
+    """Tokens that min-p, top-k and top-p (vLLM's order) must exclude, with a small margin against rounding at the boundary."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = probs.argsort(descending=True)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(len(order))
-    excluded = rank >= top_k if top_k > 0 else torch.zeros_like(rank, dtype=torch.bool)
+    excluded = probs < min_p * probs.max() - 1e-6
+    excluded |= rank >= top_k if top_k > 0 else torch.zeros_like(rank, dtype=torch.bool)
     kept = probs.masked_fill(excluded, 0)
     kept = kept / kept.sum()
     before = kept[order].cumsum(0) - kept[order]  # mass of the better tokens
     mass_before = torch.empty_like(before)
     mass_before[order] = before
-    excluded |= mass_before > top_p + 1e-6
-    kept = kept.masked_fill(excluded, 0)
-    excluded |= kept < min_p * kept.max() - 1e-6
-    return excluded
+    return excluded | (mass_before > top_p + 1e-6)
 
 
 @settings(max_examples=60, deadline=None)
@@ -1306,12 +1304,15 @@ def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 1.0), top_k=st.sampled_from([1, 3, 50]), extra=st.sampled_from([0, 4, 16]))
-def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, extra):
-    """Top-k rows look at their best tokens only (a partial sort): the same token as over the
-    whole sorted row, for the same uniform draw."""
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 1.0), top_k=st.sampled_from([1, 3, 50]), extra=st.sampled_from([0, 4, 16]),
+       ties=st.booleans())
+def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, extra, ties):
+    """Top-k rows look at their best tokens only (a partial sort, as wide as the batch's largest top-k): the
+    same token as over the whole sorted row, for the same uniform draw, also where logits tie (bf16 logits
+    often do): a seeded row's token does not depend on the other rows' top-k."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(8, 64, generator=gen) * 2
+    x = x.round() if ties else x
     u = torch.rand(8, generator=gen)
     k, p, m = torch.full((8,), top_k), torch.full((8,), top_p), torch.zeros(8)
     assert torch.equal(nanobatch._sample_best(x, top_k + extra, k, p, m, u), nanobatch._sample_best(x, 64, k, p, m, u))
@@ -1327,6 +1328,26 @@ def test_nucleus_rejection_keeps_only_the_nucleus(seed, top_p, min_p):
     tokens = kernels.sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best)
     for row in range(6):
         assert not clearly_excluded(x[row], 1.0, 0, top_p, min_p)[tokens[row]]
+
+
+def test_filters_follow_vllms_order_and_keep_ties_together():
+    """min-p before top-p, top-p's mass measured after min-p (vLLM's order); a token whose better tokens hold
+    exactly top_p is out; top-k keeps the tokens that tie with its k-th (vLLM's and HF's top-k); the sort path
+    and the CPU's rejection path agree."""
+    def tokens(probs, top_k=None, top_p=1.0, min_p=0.0, n=64):
+        x = torch.tensor(probs, dtype=torch.float64).log().float().expand(n, -1)
+        k, p, m, u = torch.full((n,), top_k or x.shape[1]), torch.full((n,), top_p), torch.full((n,), min_p), torch.linspace(0, 0.999, n)
+        best = set(nanobatch._sample_best(x, x.shape[1], k, p, m, u).tolist())
+        if top_k is None:  # top-p alone: the CPU's rejection path too
+            gen = torch.Generator().manual_seed(0)
+            nucleus = kernels.sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best)
+            assert set(nucleus.tolist()) == best, (probs, top_k, top_p, min_p)
+        return best
+
+    assert tokens([0.5, 0.3] + [0.2 / 62] * 62, top_p=0.6, min_p=0.1) == {0}  # HF's order (min-p last) would keep token 1
+    assert tokens([0.5, 0.25, 0.25], top_p=0.5) == {0}
+    assert tokens([0.4, 0.3, 0.3], top_p=0.6) == {0, 1, 2}  # the two tied tokens stay together
+    assert tokens([0.5, 0.2, 0.2, 0.1], top_k=2) == {0, 1, 2}
 
 
 def test_sampler_draws_the_filtered_distribution():
@@ -1345,8 +1366,8 @@ def test_sampler_draws_the_filtered_distribution():
             keep[order[: params.top_k]] = True
         else:
             before = probs[order].cumsum(0) - probs[order]
-            keep[order[before <= params.top_p]] = True
-        keep &= probs >= params.min_p * probs.max()
+            keep[order[before < params.top_p]] = True
+        keep &= probs >= params.min_p * probs.max()  # (one filter at a time: their order does not matter here)
         expected = torch.where(keep, probs, 0.0)
         expected /= expected.sum()
         assert (freq - expected).abs().max() < 0.015, params
