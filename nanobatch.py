@@ -1235,7 +1235,8 @@ class LLM:
         mine = [r for r in self.aborted if only is None or r.request_id in only]
         self.aborted = [r for r in self.aborted if r not in mine]
         done = [self._make_output(r) for r in mine if r.request_id in self.requests]
-        done, self.owed = (self.owed + done, []) if only is None else (done, self.owed)
+        if only is None:
+            done, self.owed = self.owed + done, []
         return done
 
     # -- the offline API --

@@ -254,8 +254,8 @@ def start(config):
         dist.init_process_group(_backend(config.device), rank=rank, world_size=world, timeout=timeout)
         return TensorParallel(rank, world)
     global _RANK0_TP
-    if _RANK0_TP is not None and _RANK0_TP() is not None and not _RANK0_TP().state["ready"]:
-        _RANK0_TP().shutdown()  # an LLM whose construction failed (its error may still hold it): its ranks go
+    if (earlier := _RANK0_TP and _RANK0_TP()) is not None and not earlier.state["ready"]:
+        earlier.shutdown()  # an LLM whose construction failed (its error may still hold it): its ranks go
     if dist.is_initialized():
         raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
     hf_config = nanobatch.read_config(config.model or nanobatch.default_model_path())[0]
