@@ -158,7 +158,7 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
+class RequestMetrics:  # wall-clock times, time.time(), as vLLM's
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -441,7 +441,7 @@ class Scheduler:
             for seq, num_new, num_cached in admitted:
                 self.waiting.popleft()
                 if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits and ends the queue time
-                    seq.request.num_cached_tokens, seq.request.metrics.first_scheduled_time = num_cached, time.perf_counter()
+                    seq.request.num_cached_tokens, seq.request.metrics.first_scheduled_time = num_cached, time.time()
                 seq.status = RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
@@ -1038,7 +1038,7 @@ class LLM:
         if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width seats; the group does the rest
             beam = BeamGroup(params, frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
             params = params.sampling_params()
-        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.perf_counter()), beam=beam)
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.time()), beam=beam)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
         seq = self._new_seq(request, list(token_ids), index=0)
@@ -1076,8 +1076,8 @@ class LLM:
             for i in request_id:
                 self.abort_request(i)
             return
-        request = self.requests.get(str(request_id))
-        if request is None:
+        request = self.requests.pop(str(request_id), None)  # its id is free again at once, as vLLM's
+        if request is None:  # unknown, or ended already
             return
         for seq in request.seqs:
             if seq.status != FINISHED:
@@ -1169,7 +1169,7 @@ class LLM:
         return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
-        now = time.perf_counter()
+        now = time.time()
         touched = {}  # requests that may have an output: every cumulative one, a final_only one when a sample ends
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token_id)
@@ -1199,7 +1199,8 @@ class LLM:
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif (may_stop and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
-            seq.finish_reason = "stop"
+            seq.finish_reason = "stop"  # generation_config's other EOS ids are stop tokens to vLLM: they are the stop_reason
+            seq.stop_reason = token_id if token_id != self.tokenizer.eos_token_id and token_id in self.eos_token_ids else None
         num_chars = len(seq.text)
         if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
             detokenize(self.tokenizer, seq, token_id)
@@ -1213,8 +1214,9 @@ class LLM:
     def _make_output(self, request: Request) -> RequestOutput:
         finished = request.finished()
         if finished:
-            request.metrics.finished_time = request.metrics.finished_time or time.perf_counter()
-            del self.requests[request.request_id]  # it ends exactly once: no later output
+            request.metrics.finished_time = request.metrics.finished_time or time.time()
+            if self.requests.get(request.request_id) is request:  # it ends exactly once (an abort took it out already,
+                del self.requests[request.request_id]  # and its id may be another request's since)
         # a snapshot: the lists that grow are copied (callers and server threads may keep it while the engine runs on);
         # a running sample holds back what could be the start of a stop string (cut off once complete), as vLLM's
         params = request.params
@@ -1226,6 +1228,8 @@ class LLM:
             )
             for s in request.seqs
         ]
+        if finished and request.beam is None:  # aborted before its prompt was prefilled: its other n - 1 samples end as empty as it
+            completions += [dataclasses.replace(completions[0], index=i, token_ids=[]) for i in range(len(completions), params.n)]
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
 
@@ -1234,7 +1238,7 @@ class LLM:
         owed by generate(). only: these request ids' aborts alone (generate's own); the rest wait for the step."""
         mine = [r for r in self.aborted if only is None or r.request_id in only]
         self.aborted = [r for r in self.aborted if r not in mine]
-        done = [self._make_output(r) for r in mine if r.request_id in self.requests]
+        done = [self._make_output(r) for r in mine]
         if only is None:
             done, self.owed = self.owed + done, []
         return done
@@ -1904,7 +1908,7 @@ def truncate_at_stop_string(seq, num_chars_before):
     hits = [(i, s) for s in params.stop if (i := seq.text.find(s, max(0, num_chars_before - len(s) + 1))) >= 0]
     if not hits:
         return False
-    at, seq.stop_reason = min(hits)
+    at, seq.stop_reason = min(hits)  # the one the text reaches first (vLLM's: the first in the list that is found)
     seq.text = seq.text[: at + len(seq.stop_reason) if params.include_stop_str_in_output else at]
     return True
 
@@ -2347,7 +2351,7 @@ def finish_beams(llm, request):
     for seq in request.seqs:  # the live beams: their blocks go back, the hypotheses are the output
         llm.scheduler.finish(seq)
     del llm.requests[request.request_id]  # it ends exactly once
-    now = time.perf_counter()
+    now = time.time()
     request.metrics.first_token_time = request.metrics.first_token_time or now
     request.metrics.finished_time = now
     tail = prompt_tail(llm.tokenizer, request.prompt_token_ids)

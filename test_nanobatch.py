@@ -990,6 +990,19 @@ def test_abort_frees_blocks_and_reports_once(tiny_llm):
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [(rid, "abort")]
     assert not tiny_llm.has_unfinished_requests() and tiny_llm.step() == []
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+    # as vLLM's: the id is free again at once, and an n > 1 request aborted before its prefill still has n samples
+    before = time.time()
+    rid = tiny_llm.add_request([1, 2, 3], SamplingParams(n=3, max_tokens=5, logprobs=1, **GREEDY), request_id="again")
+    tiny_llm.abort_request(rid)
+    tiny_llm.add_request([4, 5], SamplingParams(max_tokens=2, **GREEDY), request_id="again")
+    outs = []
+    while tiny_llm.has_unfinished_requests():
+        outs += [o for o in tiny_llm.step() if o.finished]
+    aborted, done = sorted(outs, key=lambda o: len(o.prompt_token_ids), reverse=True)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in aborted.outputs] == [(i, "", [], "abort", None) for i in range(3)]
+    assert before <= aborted.metrics.arrival_time <= aborted.metrics.finished_time <= time.time()  # wall-clock, as vLLM's
+    assert (done.request_id, done.prompt_token_ids, len(done.outputs[0].token_ids)) == ("again", [4, 5], 2)
+    assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
 def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
@@ -1984,7 +1997,11 @@ def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_pat
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
     monkeypatch.setenv("HOME", str(tmp_path))
     for model in (str(folder), "~/tiny"):
-        assert {2, 77} <= LLM(model=model, num_kv_blocks=8, **CPU).eos_token_ids, model
+        assert {2, 77} <= (llm := LLM(model=model, num_kv_blocks=8, **CPU)).eos_token_ids, model
+    # as vLLM's: an EOS id other than the tokenizer's is a stop token, and the output's stop_reason
+    for eos, reason in ((77, 77), (llm.tokenizer.eos_token_id, None)):
+        out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, logit_bias={eos: 100}, temperature=0), use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", reason)
 
 
 def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
