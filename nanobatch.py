@@ -1551,7 +1551,9 @@ def gguf_config(meta, tensors):
         params["head_dim"] = meta[f"{arch}.attention.key_length"]
     scaling = {hf: meta[f"{arch}.rope.scaling.{key}"] for key, hf in (("type", "rope_type"), ("factor", "factor"), ("original_context_length", "original_max_position_embeddings"))
                if f"{arch}.rope.scaling.{key}" in meta}
-    if scaling.get("rope_type", "none") != "none":  # linear, or yarn (which ModelConfig refuses); Llama 3's comes as the rope_freqs tensor
+    if scaling.get("rope_type", "none") not in ("none", "linear"):  # (Llama 3's comes as the rope_freqs tensor)
+        raise ValueError(f"unsupported rope_type {scaling['rope_type']!r} in the GGUF's rope.scaling; nanobatch implements linear and llama3")
+    if scaling.get("rope_type") == "linear":
         params["rope_scaling"] = scaling
     # what llama.cpp's converter leaves to the tensors: an untied head, and q/k/v/o biases (a Llama with attention_bias)
     return AutoConfig.for_model(arch, **params, tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors)

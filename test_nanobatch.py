@@ -803,6 +803,9 @@ def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path
     yarn = write_gguf(tmp_path / "yarn.gguf", model, meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 256})
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         LLM(model=yarn, **CPU)
+    longrope = write_gguf(tmp_path / "longrope.gguf", model, meta={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):  # (transformers' own check raised a KeyError)
+        LLM(model=longrope, **CPU)
 
 
 def test_text_prompts_and_detokenization(default_llm, default_hf):
