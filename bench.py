@@ -1645,6 +1645,8 @@ def resolve_args(args):
         args.dtype = "bfloat16" if device == "cuda" or kernels.cpu_prefers_bf16() else "float32"
     if args.roofline is None:
         args.roofline = device == "cuda" and args.workload != "host"
+    if args.tokenizer and args.model not in (RANDOM_QWEN3, RANDOM_TINY_LLAMA):
+        raise ValueError(f"--tokenizer goes with --model {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA}; a real model brings its own")
     check_ranges(args)
     return torch.device(device)
 

@@ -3876,6 +3876,7 @@ def bench_cli(capsys, *argv):
         (["--max-num-seqs", "9999"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (9999)"),  # the engine's check, in bench's flags
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
         (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
+        (["--tokenizer", sys.executable], "--tokenizer goes with --model random-qwen3-0.6b or random-tiny-llama; a real model brings its own"),
         (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
         (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder /no/such/folder does not exist"),
     ],
