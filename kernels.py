@@ -856,7 +856,7 @@ def _compile(loops, probe, what, fallback):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
     announce_compile(loops)
     try:
-        # cache=True: compiled once per machine (seconds), then loaded from __pycache__; reassoc lets the
+        # cache=True: compiled once per checkout (seconds), then loaded from __pycache__; reassoc lets the
         # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
         # NaN (a row whose every score is -inf, as in the reference), not an exception
         compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(loops)
@@ -887,7 +887,7 @@ def announce_compile(loops):
     if _announced or glob.glob(os.path.join(folder, f"{__name__}.{loops.__name__}-*.nbi")):
         return
     _announced = True
-    print("nanobatch: compiling the CPU loops with numba, once per machine (up to a minute on 2 cores; later runs load them from its cache)",
+    print("nanobatch: compiling the CPU loops with numba, once per checkout (up to a minute on 2 cores; later runs load them from its cache)",
           file=sys.stderr, flush=True)
 
 

@@ -2585,9 +2585,12 @@ def in_cli_words(message, parser):
     the flags --max-tokens and --max-num-seqs; quoted values (paths, the user's text) stay as they are."""
     flags = cli_flags(parser) | {"json": "--json-schema"}  # (StructuredOutputsParams.json)
     fields = r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)\.(\w+)"
-    flag = lambda m: flags.get(m.group(1) or m.group(2), m.group(0))  # noqa: E731
+    flag = lambda m: flags.get(m.group(1) or m.group(2) or m.group(3), m.group(0))  # noqa: E731
     parts = re.split(r"('[^']*'|\"[^\"]*\")", message)  # odd parts: the quoted ones
-    return "".join(p if i % 2 else re.sub(fields + r"|\b([a-z]+(?:_[a-z]+)+)\b", flag, p) for i, p in enumerate(parts))
+    # a field's name, qualified, in snake_case, or one word that opens the message ("device is ..."); a flag left out is None
+    words = [re.sub(fields + r"|\b([a-z]+(?:_[a-z]+)+)\b|\A([a-z]+)\b(?= (?:is|must) )", flag, p) for p in parts[::2]]
+    parts[::2] = [re.sub(r",? or None\b", "", p) for p in words]
+    return "".join(parts)
 
 
 def main(argv=None):

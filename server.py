@@ -1296,7 +1296,8 @@ def check_port_free(host, port):
     try:
         socket.create_server((host, port), family=family).close()
     except OSError as e:
-        raise OSError(f"cannot serve on port {port} of {host}: {e.strerror} (another server there? pick one with --port)") from None
+        reason = os.strerror(e.errno) if e.errno else e.strerror  # (create_server's strerror repeats the address)
+        raise OSError(f"cannot serve on port {port} of {host}: {reason} (another server there? pick one with --port)") from None
 
 
 def served_model_name(llm):

@@ -3982,7 +3982,8 @@ def test_cli_reads_stdin_with_chat_template(tiny_models):
         (["--prompts", "PROMPTS", "--json-schema", "/no/block_size/s.json"], "--json-schema file '/no/block_size/s.json' does not exist"),  # a path stays as given
         (["--model", "/no/such/model", "--prompts", "PROMPTS", "--output", "/no/such/dir/o.jsonl"], "--output file '/no/such/dir/o.jsonl' cannot be written"),
         (["--serve", "--port", "99999"], "--port must be an integer from 0 (any free port) to 65535"),
-        (["--serve", "--limit-concurrency", "0"], "--limit-concurrency must be a positive integer or None"),
+        (["--serve", "--limit-concurrency", "0"], "--limit-concurrency must be a positive integer, got 0"),  # (None: the flag left out)
+        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "0"], "--max-tokens must be an integer >= 1, got 0"),
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, message):
@@ -3997,6 +3998,15 @@ def test_cli_errors_are_one_clear_line(tmp_path, args, message):
     assert lines[0].startswith("error: ") and message in lines[0]
 
 
+def test_cli_words_name_flags_where_the_engine_names_fields():
+    parser = nanobatch.build_arg_parser()  # (run_cli passes --device cpu: the device error is checked here)
+    for engine, cli in [("device is 'cuda:7' but CUDA is not available", "--device is 'cuda:7' but CUDA is not available"),
+                        ("dtype must be 'auto' or one of ['float32']", "--dtype must be 'auto' or one of ['float32']"),
+                        ("SamplingParams.seed must be an integer from 0 to 2**63 - 1, or None, got -1", "--seed must be an integer from 0 to 2**63 - 1, got -1"),
+                        ("model path '/tmp/device is x' does not exist", "model path '/tmp/device is x' does not exist")]:
+        assert nanobatch.in_cli_words(engine, parser) == cli
+
+
 def test_cli_busy_port_fails_before_the_model_load():
     import socket
 
@@ -4005,7 +4015,7 @@ def test_cli_busy_port_fails_before_the_model_load():
         r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0]
+    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0] and "(while attempting" not in lines[0]
 
 
 def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
