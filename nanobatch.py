@@ -116,7 +116,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
-    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens (a grammar still can)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens, stop strings not before one more (a grammar still can)
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS included) that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
@@ -731,7 +731,7 @@ class Model(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: BatchMetadata):
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
-        # so is the CPU attention's plan (which rows decode, and how: compiled loops or torch groups); None on Triton
+        # the CPU attention's plan, shared by every layer too (which rows decode, and how: compiled loops or torch groups); None on Triton
         k_cache = kv_caches[0][0]
         meta.attn_plan = kernels.plan_paged_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], self.cfg.num_kv_heads, k_cache.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -840,8 +840,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # (R,) float, 0 = off
     plain: list[int]  # indices into R of rows without top-k and top-p: the whole row, unsorted
     nucleus: list[int]  # indices into R of rows with top-p but no top-k, on a CPU: rejection sampling, no sort
-    best: list[int]  # indices into R of rows with top-k (and, on a GPU, top-p): their best tokens, sorted
-    num_best: int  # how many best tokens the `best` rows look at (vocab size: a full sort)
+    best: list[int]  # indices into R of rows with top-k (and, on a GPU, top-p): thresholds read off their best tokens
+    num_best: int  # how many best tokens the `best` rows read their thresholds off (vocab size: a full sort); the draw is over the whole row
     generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
     max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
     all_greedy: bool
