@@ -3922,6 +3922,10 @@ def test_bench_same_out_compares_with_the_first_greedy_system():
     assert bench.mark_same_outputs(results, runs) == "nanobatch"
     assert [r.num_same_outputs for r in results] == [None, 2, 1]
     assert bench.mark_same_outputs(results[:1], runs[:1]) is None  # nothing greedy: nothing to compare
+    results = [bench.SystemResult(name, 1.0) for name in ("nanobatch", "nanobatch-structured")]  # constrained: never the same by design
+    assert bench.mark_same_outputs(results, runs[1:]) == "nanobatch" and [r.num_same_outputs for r in results] == [2, None]
+    beam = bench.beam_workload(100, 4, 2, 3, 5, 8).describe()  # its output lengths count every beam's tokens
+    assert (beam["beam_width"], beam["max_tokens"], "output_len" in beam) == (4, 8, False)
 
 
 def test_bench_counts_truncated_json_as_invalid(monkeypatch):
