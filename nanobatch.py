@@ -1047,13 +1047,8 @@ class LLM:
         return request_id
 
     def chat_prompt(self, messages):
-        """A chat rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
-        The template already holds BOS where the model wants one: tokenize without adding it again."""
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
-            raise ValueError(f"the chat template rejected the messages: {e}") from None
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids} (see Validation)."""
+        return chat_prompt(self.tokenizer, messages)  # hook (Validation): the tokenizer's chat template
 
     def _new_seq(self, request, token_ids, index):
         seed = request.params.seed
@@ -1274,6 +1269,11 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
+    def chat(self, messages, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+        """vLLM's LLM.chat: generate for one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], (list, tuple)) else [messages]
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+
     def beam_search(self, prompts, params: "BeamSearchParams", use_tqdm=False) -> list["BeamSearchOutput"]:
         """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first (see Beam search)."""
         return beam_search(self, prompts, params, use_tqdm)
@@ -1283,7 +1283,7 @@ class LLM:
 # =====================================================================================
 #
 # Everything below joins the engine at a named place: check_* (check_model_path, check_checkpoint, ...) /
-# validate_prompts / tokenize_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
+# validate_prompts / tokenize_prompt / chat_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
 # kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
 # BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
 # (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
@@ -1465,6 +1465,18 @@ def validate_prompts(llm, prompts, sampling_params, **change):
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     return validated
+
+
+def chat_prompt(tokenizer, messages):
+    """A conversation rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
+    The template already holds BOS where the model wants one: tokenize without adding it again."""
+    if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def tokenize_prompt(llm, prompt):

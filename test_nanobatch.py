@@ -1194,6 +1194,13 @@ def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_
     assert chat["prompt_token_ids"] == tiny_llm.tokenizer.encode(chat["prompt"], add_special_tokens=False)
     out = tiny_llm.generate([chat], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
     assert out.prompt == chat["prompt"] and out.prompt_token_ids == chat["prompt_token_ids"]
+    # vLLM's llm.chat: one conversation, or a list of them
+    one = tiny_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    two = tiny_llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one] == [out.outputs[0].token_ids] == [two[0].outputs[0].token_ids] and len(two) == 2
+    for bad in ("Hi", [], [["Hi"]], [[]]):
+        with pytest.raises(ValueError, match="a conversation must be a non-empty list of"):
+            tiny_llm.chat(bad, use_tqdm=False)
 
 
 def check_prompt_logprobs(prompt_logprobs, prompt_ids, reference, k):
