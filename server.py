@@ -680,7 +680,11 @@ def beam_search_params(body, params):
         return None
     if body.stream:
         raise ServerError("use_beam_search does not stream (the beams are known only at the end); send stream: false")
-    taken = [name for name in BEAM_REFUSES if getattr(body, name, None) not in (None, [], {}, False)]
+    # a field is refused for what it asks, read from params against the defaults (both normalised): 0 asks for
+    # something (logprobs 0: each token's logprob; seed 0), a default sent as such (top_p 1, top_k -1, stop []) does not
+    default = SamplingParams()
+    taken = [name for name in BEAM_REFUSES if getattr(params, name) != getattr(default, name)]
+    taken += ["echo"] * bool(getattr(body, "echo", None)) + [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(body, name, None) is not None]
     if taken:
         raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
     try:
@@ -690,8 +694,8 @@ def beam_search_params(body, params):
         raise ServerError.invalid(e) from None
 
 
-BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", *STRUCTURED_OUTPUT_FIELDS)
+BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "seed", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")  # SamplingParams fields beam search ignores
 
 
 def validation_message(error):

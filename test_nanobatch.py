@@ -3070,6 +3070,20 @@ def test_server_beam_search(server, server_model_dir):
     wait_all_blocks_free(server)
 
 
+def test_server_beam_search_refuses_a_field_by_what_it_asks(server):
+    """0 asks for something (logprobs 0: each token's logprob, which beams do not return; seed 0 is a seed): a 400,
+    not a 200 with empty logprobs; a default sent as such (top_p 1, top_k -1, ...) asks for nothing: served."""
+    beams = {"prompt": "The capital of France is", "n": 2, "use_beam_search": True, "max_tokens": 2}
+    for field in ["logprobs", "prompt_logprobs", "seed"]:
+        status, answer = post(server, "/generate", {**beams, field: 0})
+        assert status == 400 and answer["error"]["message"] == f"use_beam_search does not take {field}", answer
+    defaults = {"top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0, "stop": [], "logit_bias": {}, "min_tokens": 0}
+    status, answer = post(server, "/generate", {**beams, **defaults})
+    assert status == 200 and len(answer["text"]) == 2 and "logprobs" not in answer
+    status, answer = post(server, "/v1/completions", {**beams, "echo": True})
+    assert status == 400 and answer["error"]["message"] == "use_beam_search does not take echo"
+
+
 # -- OpenAI endpoints --
 
 
