@@ -570,9 +570,11 @@ class Sampling(Body):
     def sampling_params(self, **fields):
         """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
         given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS}
+        # as vLLM: "max_tokens": null is up to max_model_len (SamplingParams' None); absent, it is the default (16)
+        given = {name: v for name, v in given.items() if v is not None or (name == "max_tokens" and name in self.model_fields_set)}
         try:
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
-            return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
+            return SamplingParams(**{**given, **fields}, structured_outputs=constraint)
         except ValueError as e:
             raise ServerError.invalid(e) from None
 

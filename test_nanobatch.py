@@ -3204,6 +3204,19 @@ def test_what_vllm_accepts_is_accepted(server):
     assert status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"  # vLLM's (FastAPI's) validation error
 
 
+def test_max_tokens_null_runs_up_to_the_context(server):
+    """As vLLM: "max_tokens": null is up to max_model_len (completions and /generate); absent, it is 16."""
+    ids = [1000] * 490  # 22 tokens of room under max_model_len 512
+    assert post(server, "/v1/completions", {"prompt": ids, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
+    status, answer = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 22 and answer["choices"][0]["finish_reason"] == "length"
+    text = post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
+    assert post(server, "/tokenize", {"prompt": text})[1]["count"] == 490
+    before = engine_state(server)["output_tokens"]
+    assert post(server, "/generate", {"prompt": text, "max_tokens": None, **GREEDY_JSON})[0] == 200
+    assert engine_state(server)["output_tokens"] - before == 22
+
+
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
     ("completions", "suffix", "!"),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
