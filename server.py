@@ -599,6 +599,15 @@ class OpenAI(Sampling):
     use_beam_search: bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
     length_penalty: float | None = None
     # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
+    allowed_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    truncate_prompt_tokens: Int | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: Int | None = None
     # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
     response_format: Any = None
     structured_outputs: Any = None
@@ -639,6 +648,12 @@ class Chat(OpenAI):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    echo: bool | None = None  # vLLM's chat extras: the template's options, and echo (continue the last message's role)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list | None = None
 
 
 class Tokenize(Body):
@@ -661,6 +676,15 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
+    # vLLM's extras, refused where they differ from vLLM's defaults (a client may send every field)
+    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens", "chat_template")},
+    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority", "documents")},
+    "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
+    "add_special_tokens": (lambda v, body: v is not None and v == hasattr(body, "messages"), "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
+    "echo": (lambda v, body: bool(v) and hasattr(body, "messages"), "chat echo is not implemented"),  # completions' echo is
+    "add_generation_prompt": (lambda v, body: v is False, "the chat template always adds the generation prompt"),
+    "continue_final_message": (lambda v, body: bool(v), "the chat template always adds the generation prompt"),
+    "chat_template_kwargs": (lambda v, body: bool(v), "the chat template is rendered without extra arguments"),
 }
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

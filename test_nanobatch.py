@@ -3221,7 +3221,29 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("completions", "suffix", "!"),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("chat", "use_beam_search", True),
+    # vLLM's extras: they change the output there, so a silent 200 here would be a wrong answer
+    ("completions", "allowed_token_ids", [11, 12]),
+    ("completions", "bad_words", ["the"]),
+    ("completions", "truncate_prompt_tokens", 8),
+    ("completions", "add_special_tokens", False),
+    ("completions", "return_token_ids", True),
+    ("chat", "add_special_tokens", True),
+    ("chat", "echo", True),
+    ("chat", "add_generation_prompt", False),
+    ("chat", "continue_final_message", True),
+    ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "chat_template", "{{ messages[0]['content'] }}"),
 ]
+
+
+def test_vllms_extras_at_their_defaults_are_served(server):
+    """A client may send every field: vLLM's extras at vLLM's defaults ask for nothing and are served."""
+    defaults = {"allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
+                "return_tokens_as_token_ids": False, "priority": 0, "max_tokens": 2}
+    assert post(server, "/v1/completions", {"prompt": "hi", "echo": False, "add_special_tokens": True, **defaults})[0] == 200
+    chat = {"messages": CHAT, "echo": False, "add_special_tokens": False, "add_generation_prompt": True, "continue_final_message": False,
+            "chat_template_kwargs": {}, "documents": None, **defaults}
+    assert post(server, "/v1/chat/completions", chat)[0] == 200
 
 
 @pytest.mark.parametrize("endpoint,field,value", REJECTED, ids=[f"{e}-{f}" for e, f, _ in REJECTED])
