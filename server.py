@@ -590,6 +590,13 @@ class Generate(Sampling):
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # with include_usage: the usage so far on every chunk too (vLLM's)
+
+    @staticmethod
+    def usage(body):
+        """(include_usage, continuous_usage_stats) of a request, as vLLM reads them: the second needs the first."""
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return include, include and bool(body.stream_options.continuous_usage_stats)
 
 
 class OpenAI(Sampling):
@@ -882,13 +889,14 @@ class OpenAIFormat:
     """OpenAI completions (chat=False) or chat completions (chat=True), whole or as server-sent
     events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n"). Choice i * n + j is sample j of prompt i.
 
-    Usage in a stream: only with stream_options.include_usage, on a last chunk with no choices (as OpenAI)."""
+    Usage in a stream: only with stream_options.include_usage, on a last chunk with no choices (as OpenAI);
+    with continuous_usage_stats too, each chunk also carries its prompt's and choice's usage so far (as vLLM)."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, chat, request_id, model, params, num_prompts=1, include_usage=False, echo=False, prompt_only=False, prompt_logprobs=False):
+    def __init__(self, chat, request_id, model, params, num_prompts=1, usage=(False, False), echo=False, prompt_only=False, prompt_logprobs=False):
         self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
-        self.num_prompts, self.include_usage = num_prompts, include_usage
+        self.num_prompts, (self.include_usage, self.continuous_usage) = num_prompts, usage  # see StreamOptions.usage
         self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
         self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
@@ -901,6 +909,13 @@ class OpenAIFormat:
     def envelope(self, choices, chunk):
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_so_far(self, out, num_output):
+        """continuous_usage_stats: a chunk's usage field, its prompt's tokens and its choice's so far (as vLLM)."""
+        if not self.continuous_usage:
+            return {}
+        num_prompt = len(out.prompt_token_ids)
+        return {"usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}}
 
     def parts(self, index, out, c, text):
         """(text, logprob entries, finish_reason) of one choice; with echo the prompt's come first."""
@@ -941,7 +956,8 @@ class OpenAIFormat:
         events = []
         if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
             self.sent_roles = True
-            events += [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True) for i in range(self.params.n)]
+            events += [{**self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True),
+                        **self.usage_so_far(out, 0)} for i in range(self.params.n)]
         for c in out.outputs:
             key = index * self.params.n + c.index
             new = self.deltas.new(key, *self.parts(index, out, c, c.text))
@@ -952,7 +968,7 @@ class OpenAIFormat:
             choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}
             if finish_reason or not self.chat:  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
                 choice["stop_reason"] = c.stop_reason if finish_reason else None
-            events.append(self.envelope([choice], True))
+            events.append({**self.envelope([choice], True), **self.usage_so_far(out, len(c.token_ids))})
         if out.finished:
             self.finished[index] = out
         if len(self.finished) == self.num_prompts:  # the last prompt just finished
@@ -1133,9 +1149,8 @@ async def completions(request: Request):
     prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
     params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
-    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, with_prompt_logprobs)
+    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), StreamOptions.usage(body), bool(body.echo), prompt_only, with_prompt_logprobs)
     sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
     return await respond(request, sub, fmt, bool(body.stream))
 
@@ -1151,8 +1166,7 @@ async def chat(request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
     params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, include_usage, prompt_logprobs=body.prompt_logprobs is not None)
+    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
     sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
     return await respond(request, sub, fmt, bool(body.stream))
 

@@ -3356,6 +3356,24 @@ def test_errors_have_vllms_type_and_param(server, path, body, kind, param):
     assert "SamplingParams" not in answer["error"]["message"]  # the request's words, not the engine's class
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its prompt's tokens and
+    its choice's so far; the last chunk has the usual total. Without include_usage it adds nothing, as in vLLM."""
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY_JSON}
+    events = sse_events(stream(server, "/v1/completions", {"prompt": "Count with me: one, two,", "max_tokens": 3, "n": 2, **options})[1])
+    num_prompt = events[-1]["usage"]["prompt_tokens"]
+    for i in range(2):
+        usages = [e["usage"] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(set(counts)) and counts[-1] == 3, counts
+        assert all(u["prompt_tokens"] == num_prompt and u["total_tokens"] == num_prompt + u["completion_tokens"] for u in usages)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    chat = sse_events(stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **options})[1])
+    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-2]["usage"]["completion_tokens"] == chat[-1]["usage"]["completion_tokens"] == 2
+    events = sse_events(stream(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}})[1])
+    assert all("usage" not in e for e in events)
+
+
 def test_chat_stream_chunks_have_vllms_shape(server):
     """Recorded from vLLM 0.32: a chat stream opens with the role, then content deltas without stop_reason;
     the last chunk of a choice carries finish_reason and stop_reason."""
