@@ -570,9 +570,11 @@ class Sampling(Body):
     def sampling_params(self, **fields):
         """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
         given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS}
+        # as vLLM: "max_tokens": null is up to max_model_len (SamplingParams' None); absent, it is the default (16)
+        given = {name: v for name, v in given.items() if v is not None or (name == "max_tokens" and name in self.model_fields_set)}
         try:
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
-            return SamplingParams(**{**{name: v for name, v in given.items() if v is not None}, **fields}, structured_outputs=constraint)
+            return SamplingParams(**{**given, **fields}, structured_outputs=constraint)
         except ValueError as e:
             raise ServerError.invalid(e) from None
 
@@ -588,6 +590,13 @@ class Generate(Sampling):
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # with include_usage: the usage so far on every chunk too (vLLM's)
+
+    @staticmethod
+    def usage(body):
+        """(include_usage, continuous_usage_stats) of a request, as vLLM reads them: the second needs the first."""
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return include, include and bool(body.stream_options.continuous_usage_stats)
 
 
 class OpenAI(Sampling):
@@ -597,6 +606,15 @@ class OpenAI(Sampling):
     use_beam_search: bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
     length_penalty: float | None = None
     # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
+    allowed_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    truncate_prompt_tokens: Int | None = None
+    add_special_tokens: bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: Int | None = None
     # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
     response_format: Any = None
     structured_outputs: Any = None
@@ -637,6 +655,12 @@ class Chat(OpenAI):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    echo: bool | None = None  # vLLM's chat extras: the template's options, and echo (continue the last message's role)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list | None = None
 
 
 class Tokenize(Body):
@@ -659,6 +683,15 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
+    # vLLM's extras, refused where they differ from vLLM's defaults (a client may send every field)
+    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens", "chat_template")},
+    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority", "documents")},
+    "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
+    "add_special_tokens": (lambda v, body: v is not None and v == hasattr(body, "messages"), "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
+    "echo": (lambda v, body: bool(v) and hasattr(body, "messages"), "chat echo is not implemented"),  # completions' echo is
+    "add_generation_prompt": (lambda v, body: v is False, "the chat template always adds the generation prompt"),
+    "continue_final_message": (lambda v, body: bool(v), "the chat template always adds the generation prompt"),
+    "chat_template_kwargs": (lambda v, body: bool(v), "the chat template is rendered without extra arguments"),
 }
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -680,7 +713,11 @@ def beam_search_params(body, params):
         return None
     if body.stream:
         raise ServerError("use_beam_search does not stream (the beams are known only at the end); send stream: false")
-    taken = [name for name in BEAM_REFUSES if getattr(body, name, None) not in (None, [], {}, False)]
+    # a field is refused for what it asks, read from params against the defaults (both normalised): 0 asks for
+    # something (logprobs 0: each token's logprob; seed 0), a default sent as such (top_p 1, top_k -1, stop []) does not
+    default = SamplingParams()
+    taken = [name for name in BEAM_REFUSES if getattr(params, name) != getattr(default, name)]
+    taken += ["echo"] * bool(getattr(body, "echo", None)) + [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(body, name, None) is not None]
     if taken:
         raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
     try:
@@ -690,8 +727,8 @@ def beam_search_params(body, params):
         raise ServerError.invalid(e) from None
 
 
-BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "echo", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", *STRUCTURED_OUTPUT_FIELDS)
+BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "seed", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")  # SamplingParams fields beam search ignores
 
 
 def validation_message(error):
@@ -852,13 +889,14 @@ class OpenAIFormat:
     """OpenAI completions (chat=False) or chat completions (chat=True), whole or as server-sent
     events ("data: {...}\\n\\n" ... "data: [DONE]\\n\\n"). Choice i * n + j is sample j of prompt i.
 
-    Usage in a stream: only with stream_options.include_usage, on a last chunk with no choices (as OpenAI)."""
+    Usage in a stream: only with stream_options.include_usage, on a last chunk with no choices (as OpenAI);
+    with continuous_usage_stats too, each chunk also carries its prompt's and choice's usage so far (as vLLM)."""
 
     content_type = "text/event-stream"
 
-    def __init__(self, chat, request_id, model, params, num_prompts=1, include_usage=False, echo=False, prompt_only=False, prompt_logprobs=False):
+    def __init__(self, chat, request_id, model, params, num_prompts=1, usage=(False, False), echo=False, prompt_only=False, prompt_logprobs=False):
         self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
-        self.num_prompts, self.include_usage = num_prompts, include_usage
+        self.num_prompts, (self.include_usage, self.continuous_usage) = num_prompts, usage  # see StreamOptions.usage
         self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
         self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
@@ -871,6 +909,13 @@ class OpenAIFormat:
     def envelope(self, choices, chunk):
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_so_far(self, out, num_output):
+        """continuous_usage_stats: a chunk's usage field, its prompt's tokens and its choice's so far (as vLLM)."""
+        if not self.continuous_usage:
+            return {}
+        num_prompt = len(out.prompt_token_ids)
+        return {"usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}}
 
     def parts(self, index, out, c, text):
         """(text, logprob entries, finish_reason) of one choice; with echo the prompt's come first."""
@@ -911,7 +956,8 @@ class OpenAIFormat:
         events = []
         if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
             self.sent_roles = True
-            events += [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True) for i in range(self.params.n)]
+            events += [{**self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True),
+                        **self.usage_so_far(out, 0)} for i in range(self.params.n)]
         for c in out.outputs:
             key = index * self.params.n + c.index
             new = self.deltas.new(key, *self.parts(index, out, c, c.text))
@@ -922,7 +968,7 @@ class OpenAIFormat:
             choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}
             if finish_reason or not self.chat:  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
                 choice["stop_reason"] = c.stop_reason if finish_reason else None
-            events.append(self.envelope([choice], True))
+            events.append({**self.envelope([choice], True), **self.usage_so_far(out, len(c.token_ids))})
         if out.finished:
             self.finished[index] = out
         if len(self.finished) == self.num_prompts:  # the last prompt just finished
@@ -1103,9 +1149,8 @@ async def completions(request: Request):
     prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
     params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
-    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), include_usage, bool(body.echo), prompt_only, with_prompt_logprobs)
+    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), StreamOptions.usage(body), bool(body.echo), prompt_only, with_prompt_logprobs)
     sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
     return await respond(request, sub, fmt, bool(body.stream))
 
@@ -1121,8 +1166,7 @@ async def chat(request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
     params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, include_usage, prompt_logprobs=body.prompt_logprobs is not None)
+    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
     sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
     return await respond(request, sub, fmt, bool(body.stream))
 

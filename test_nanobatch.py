@@ -3097,6 +3097,20 @@ def test_server_beam_search(server, server_model_dir):
     wait_all_blocks_free(server)
 
 
+def test_server_beam_search_refuses_a_field_by_what_it_asks(server):
+    """0 asks for something (logprobs 0: each token's logprob, which beams do not return; seed 0 is a seed): a 400,
+    not a 200 with empty logprobs; a default sent as such (top_p 1, top_k -1, ...) asks for nothing: served."""
+    beams = {"prompt": "The capital of France is", "n": 2, "use_beam_search": True, "max_tokens": 2}
+    for field in ["logprobs", "prompt_logprobs", "seed"]:
+        status, answer = post(server, "/generate", {**beams, field: 0})
+        assert status == 400 and answer["error"]["message"] == f"use_beam_search does not take {field}", answer
+    defaults = {"top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0, "stop": [], "logit_bias": {}, "min_tokens": 0}
+    status, answer = post(server, "/generate", {**beams, **defaults})
+    assert status == 200 and len(answer["text"]) == 2 and "logprobs" not in answer
+    status, answer = post(server, "/v1/completions", {**beams, "echo": True})
+    assert status == 400 and answer["error"]["message"] == "use_beam_search does not take echo"
+
+
 # -- OpenAI endpoints --
 
 
@@ -3217,11 +3231,46 @@ def test_what_vllm_accepts_is_accepted(server):
     assert status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"  # vLLM's (FastAPI's) validation error
 
 
+def test_max_tokens_null_runs_up_to_the_context(server):
+    """As vLLM: "max_tokens": null is up to max_model_len (completions and /generate); absent, it is 16."""
+    ids = [1000] * 490  # 22 tokens of room under max_model_len 512
+    assert post(server, "/v1/completions", {"prompt": ids, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
+    status, answer = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 22 and answer["choices"][0]["finish_reason"] == "length"
+    text = post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
+    assert post(server, "/tokenize", {"prompt": text})[1]["count"] == 490
+    before = engine_state(server)["output_tokens"]
+    assert post(server, "/generate", {"prompt": text, "max_tokens": None, **GREEDY_JSON})[0] == 200
+    assert engine_state(server)["output_tokens"] - before == 22
+
+
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
     ("completions", "suffix", "!"),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("chat", "use_beam_search", True),
+    # vLLM's extras: they change the output there, so a silent 200 here would be a wrong answer
+    ("completions", "allowed_token_ids", [11, 12]),
+    ("completions", "bad_words", ["the"]),
+    ("completions", "truncate_prompt_tokens", 8),
+    ("completions", "add_special_tokens", False),
+    ("completions", "return_token_ids", True),
+    ("chat", "add_special_tokens", True),
+    ("chat", "echo", True),
+    ("chat", "add_generation_prompt", False),
+    ("chat", "continue_final_message", True),
+    ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+    ("chat", "chat_template", "{{ messages[0]['content'] }}"),
 ]
+
+
+def test_vllms_extras_at_their_defaults_are_served(server):
+    """A client may send every field: vLLM's extras at vLLM's defaults ask for nothing and are served."""
+    defaults = {"allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
+                "return_tokens_as_token_ids": False, "priority": 0, "max_tokens": 2}
+    assert post(server, "/v1/completions", {"prompt": "hi", "echo": False, "add_special_tokens": True, **defaults})[0] == 200
+    chat = {"messages": CHAT, "echo": False, "add_special_tokens": False, "add_generation_prompt": True, "continue_final_message": False,
+            "chat_template_kwargs": {}, "documents": None, **defaults}
+    assert post(server, "/v1/chat/completions", chat)[0] == 200
 
 
 @pytest.mark.parametrize("endpoint,field,value", REJECTED, ids=[f"{e}-{f}" for e, f, _ in REJECTED])
@@ -3332,6 +3381,24 @@ def test_errors_have_vllms_type_and_param(server, path, body, kind, param):
     status, answer = post(server, path, body)
     assert status == 400 and (answer["error"]["type"], answer["error"]["param"]) == (kind, param), answer
     assert "SamplingParams" not in answer["error"]["message"]  # the request's words, not the engine's class
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its prompt's tokens and
+    its choice's so far; the last chunk has the usual total. Without include_usage it adds nothing, as in vLLM."""
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY_JSON}
+    events = sse_events(stream(server, "/v1/completions", {"prompt": "Count with me: one, two,", "max_tokens": 3, "n": 2, **options})[1])
+    num_prompt = events[-1]["usage"]["prompt_tokens"]
+    for i in range(2):
+        usages = [e["usage"] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(set(counts)) and counts[-1] == 3, counts
+        assert all(u["prompt_tokens"] == num_prompt and u["total_tokens"] == num_prompt + u["completion_tokens"] for u in usages)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    chat = sse_events(stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **options})[1])
+    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-2]["usage"]["completion_tokens"] == chat[-1]["usage"]["completion_tokens"] == 2
+    events = sse_events(stream(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}})[1])
+    assert all("usage" not in e for e in events)
 
 
 def test_chat_stream_chunks_have_vllms_shape(server):
