@@ -1046,9 +1046,9 @@ class LLM:
         self.scheduler.add(seq)
         return request_id
 
-    def chat_prompt(self, messages):
-        """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids} (see Validation)."""
-        return chat_prompt(self.tokenizer, messages)  # hook (Validation): the tokenizer's chat template
+    def chat_prompt(self, messages, **template):
+        """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids}; template: vLLM's chat options (see Validation)."""
+        return chat_prompt(self.tokenizer, messages, **template)  # hook (Validation): the tokenizer's chat template
 
     def _new_seq(self, request, token_ids, index):
         seed = request.params.seed
@@ -1269,10 +1269,10 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
-    def chat(self, messages, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm=True, **template) -> list[RequestOutput]:
         """vLLM's LLM.chat: generate for one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], (list, tuple)) else [messages]
-        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.chat_prompt(c, **template) for c in conversations], sampling_params, use_tqdm)
 
     def beam_search(self, prompts, params: "BeamSearchParams", use_tqdm=False) -> list["BeamSearchOutput"]:
         """vLLM's LLM.beam_search: per prompt, the beam_width best sequences, best first (see Beam search)."""
@@ -1467,13 +1467,17 @@ def validate_prompts(llm, prompts, sampling_params, **change):
     return validated
 
 
-def chat_prompt(tokenizer, messages):
-    """A conversation rendered by the tokenizer's chat template, as {"prompt": text, "prompt_token_ids": ids}.
-    The template already holds BOS where the model wants one: tokenize without adding it again."""
+def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=True, continue_final_message=False, documents=None, chat_template_kwargs=None):
+    """A conversation rendered by the tokenizer's chat template (or chat_template, a Jinja string), as {"prompt": text,
+    "prompt_token_ids": ids}, with vLLM's chat options; chat_template_kwargs: the template's own variables (Qwen3's
+    enable_thinking, say). The template already holds BOS where the model wants one: tokenize without adding it again."""
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}")
+    if not isinstance(chat_template_kwargs or {}, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {_cut(repr(chat_template_kwargs))}")
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, documents=documents, **(chat_template_kwargs or {}))
     except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -123,7 +123,7 @@ class Submission:
     request_ids: list[str]  # one engine request per prompt
     prompts: list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
     params: SamplingParams  # what the response shows (n outputs per prompt, logprobs, ...)
-    chat: bool = False
+    chat: dict | None = None  # a chat: the template's options (LLM.chat_prompt's, vLLM's fields); None: plain prompts
     beam: BeamSearchParams | None = None  # use_beam_search: what the engine runs instead of params
     deliver: Callable | None = None  # called in the engine thread with (prompt index, RequestOutput) or a ServerError
 
@@ -250,7 +250,7 @@ class EngineLoop:
         added = []
         try:
             for request_id, prompt in zip(sub.request_ids, sub.prompts):
-                self.llm.add_request(self.llm.chat_prompt(prompt) if sub.chat else prompt, sub.beam or sub.params, request_id)
+                self.llm.add_request(self.llm.chat_prompt(prompt, **sub.chat) if sub.chat is not None else prompt, sub.beam or sub.params, request_id)
                 added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
@@ -655,12 +655,18 @@ class Chat(OpenAI):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    echo: bool | None = None  # vLLM's chat extras: the template's options, and echo (continue the last message's role)
-    add_generation_prompt: bool | None = None
+    echo: bool | None = None  # vLLM's chat extra (continue the last message's role): not implemented
+    add_generation_prompt: bool | None = None  # vLLM's chat extras, the template's options: passed to LLM.chat_prompt
     continue_final_message: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    documents: list | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    def template(self):
+        return {name: getattr(self, name) for name in TEMPLATE_FIELDS if getattr(self, name) is not None}
+
+
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
 
 
 class Tokenize(Body):
@@ -684,14 +690,11 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
     # vLLM's extras, refused where they differ from vLLM's defaults (a client may send every field)
-    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens", "chat_template")},
-    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority", "documents")},
+    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens")},
+    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority")},
     "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
     "add_special_tokens": (lambda v, body: v is not None and v == hasattr(body, "messages"), "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
     "echo": (lambda v, body: bool(v) and hasattr(body, "messages"), "chat echo is not implemented"),  # completions' echo is
-    "add_generation_prompt": (lambda v, body: v is False, "the chat template always adds the generation prompt"),
-    "continue_final_message": (lambda v, body: bool(v), "the chat template always adds the generation prompt"),
-    "chat_template_kwargs": (lambda v, body: bool(v), "the chat template is rendered without extra arguments"),
 }
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -1167,7 +1170,7 @@ async def chat(request: Request):
     params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
-    sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=True)
+    sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=body.template())
     return await respond(request, sub, fmt, bool(body.stream))
 
 

@@ -1198,6 +1198,8 @@ def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_
     one = tiny_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     two = tiny_llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in one] == [out.outputs[0].token_ids] == [two[0].outputs[0].token_ids] and len(two) == 2
+    custom = tiny_llm.chat_prompt([{"role": "user", "content": "Hi"}], chat_template="{{ messages[0]['content'] }}, {{ who }}", chat_template_kwargs={"who": "you"})
+    assert custom["prompt"] == "Hi, you"
     for bad in ("Hi", [], [["Hi"]], [[]]):
         with pytest.raises(ValueError, match="a conversation must be a non-empty list of"):
             tiny_llm.chat(bad, use_tqdm=False)
@@ -3256,11 +3258,21 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("completions", "return_token_ids", True),
     ("chat", "add_special_tokens", True),
     ("chat", "echo", True),
-    ("chat", "add_generation_prompt", False),
-    ("chat", "continue_final_message", True),
-    ("chat", "chat_template_kwargs", {"enable_thinking": False}),
-    ("chat", "chat_template", "{{ messages[0]['content'] }}"),
 ]
+
+
+def test_chat_template_options_reach_the_template(server):
+    """As vLLM's: chat_template (Jinja), chat_template_kwargs (its variables), continue_final_message."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %} {{ x }}"
+    status, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "chat_template": template,
+                                                         "chat_template_kwargs": {"x": "seven"}, "max_tokens": 1})
+    assert status == 200 and body["usage"]["prompt_tokens"] == post(server, "/tokenize", {"prompt": "Hello seven", "add_special_tokens": False})[1]["count"]
+    messages = [*CHAT, {"role": "assistant", "content": "The capital"}]
+    go_on = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True}
+    status, body = post(server, "/v1/chat/completions", go_on)
+    assert status == 200 and body["usage"]["prompt_tokens"] < post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})[1]["usage"]["prompt_tokens"]
+    status, body = post(server, "/v1/chat/completions", {**go_on, "add_generation_prompt": True})  # transformers refuses both
+    assert status == 400 and "the chat template rejected the messages" in body["error"]["message"]
 
 
 def test_vllms_extras_at_their_defaults_are_served(server):
