@@ -1106,7 +1106,22 @@ async def respond(request: Request, sub, fmt, stream):
     first = await unless_hung_up(request, pending, pending.next())  # add_request's ValueError is still a 400 here
     if first is None:
         return Response(status_code=499)
-    return StreamingResponse(stream_body(pending, fmt, first), headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
+    return AbortingStream(pending, stream_body(pending, fmt, first), headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
+
+
+class AbortingStream(StreamingResponse):
+    """A stream that aborts its request however the response ends: Starlette cancels the stream of a client
+    that hung up, and may do so before the body's generator has started (a finally in it would never run)."""
+
+    def __init__(self, pending, body, headers):
+        super().__init__(body, headers=headers)
+        self.pending = pending
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.pending.abort()  # still running: the client hung up (after the last chunk, nothing is left to abort)
 
 
 async def stream_body(pending, fmt, item):
@@ -1122,8 +1137,6 @@ async def stream_body(pending, fmt, item):
             yield chunk
     except ServerError as e:  # the engine failed mid-stream: the status line is gone, report it in-band
         yield fmt.error(e)
-    finally:
-        pending.abort()  # still running: Starlette cancelled the stream because the client hung up
 
 
 async def fill_echo(engine, fmt, index, out):

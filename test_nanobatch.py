@@ -3525,6 +3525,32 @@ def test_n4_shares_the_prompt_blocks(server):
     wait_all_blocks_free(server)
 
 
+def test_a_stream_cancelled_before_its_first_chunk_still_aborts():
+    """Starlette may end a stream before its body generator starts (a client gone at once): the request is aborted anyway."""
+    import asyncio
+    from server import AbortingStream
+
+    class Pending:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    async def body():
+        yield "never sent"
+
+    async def gone(message):
+        raise OSError("the client hung up")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    pending, chunks = Pending(), body()
+    with pytest.raises(Exception):
+        asyncio.run(AbortingStream(pending, chunks, headers={})({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone))
+    assert pending.aborted  # (the body never started: its own finally could not have done it)
+
+
 @pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
 def test_client_disconnect_aborts_and_frees_blocks(server, path, streamed):
     before = engine_state(server)
