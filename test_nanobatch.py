@@ -1036,6 +1036,22 @@ def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
+def test_generate_never_takes_an_id_whose_final_output_is_still_to_come(tiny_llm):
+    """A caller's request that ended inside generate (its output owed to the next step), or that was aborted, keeps its
+    id until that output is out: a later generate's automatic id is another, and generate returns its own output."""
+    greedy = SamplingParams(max_tokens=8, **GREEDY)
+    taken = [str(next(tiny_llm.request_counter) + k) for k in (1, 2)]  # the ids the next automatic ones would get
+    tiny_llm.add_request([11, 12, 13], dataclasses.replace(greedy, max_tokens=2), request_id=taken[0])
+    tiny_llm.add_request([14, 15], dataclasses.replace(greedy, max_tokens=50), request_id=taken[1])
+    tiny_llm.generate([[21, 22, 23, 24]], greedy, use_tqdm=False)  # taken[0] ends inside: owed
+    tiny_llm.abort_request(taken[1])  # its abort output is owed too
+    [out] = tiny_llm.generate([[31, 32, 33, 34, 35]], greedy, use_tqdm=False)
+    assert out.request_id not in taken and out.prompt_token_ids == [31, 32, 33, 34, 35] and len(out.outputs[0].token_ids) == 8
+    later = [o for o in tiny_llm.step() if o.finished]
+    assert sorted((o.request_id, o.outputs[0].finish_reason) for o in later) == [(taken[0], "length"), (taken[1], "abort")]
+    assert not tiny_llm.has_unfinished_requests() and tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
 def test_generate_beside_a_callers_own_loop_loses_no_output(tiny_llm):
     """A caller that drives step() and calls generate() in between (vLLM's LLMEngine style): generate returns
     its own outputs and stops when they end; the caller's requests run on, and the final output of one that
