@@ -2521,7 +2521,11 @@ def run_cli(args, parser):
         # run as a script this module is __main__: server.py's `import nanobatch` must find it, not load
         # a second copy whose SamplingParams the engine's isinstance checks would refuse
         sys.modules.setdefault("nanobatch", sys.modules[__name__])
-        import server  # the web stack loads only here
+        try:
+            import server  # the web stack loads only here
+        except ModuleNotFoundError as e:  # nanobatch.py copied alone, or the web stack not installed
+            where = "server.py next to nanobatch.py" if e.name == "server" else f"{e.name} (pip install -r requirements.txt)"
+            raise ValueError(f"--serve needs {where}") from None
 
         config = server.ServerConfig(args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive)
         server.check_port_free(args.host, args.port)  # before the model load (seconds): a busy port fails at once

@@ -4139,6 +4139,14 @@ def test_cli_words_name_flags_where_the_engine_names_fields():
         assert nanobatch.in_cli_words(engine, parser) == cli
 
 
+def test_cli_serve_without_server_py_names_the_missing_file(monkeypatch, capsys):
+    """nanobatch.py + kernels.py copied alone are the engine; --serve says what else it needs."""
+    monkeypatch.setitem(sys.modules, "server", None)  # as if server.py were not there: `import server` raises ImportError
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main(["--serve"])
+    assert exit.value.code == 1 and capsys.readouterr().err.strip() == "error: --serve needs server.py next to nanobatch.py"
+
+
 def test_cli_busy_port_fails_before_the_model_load():
     import socket
 
