@@ -554,10 +554,10 @@ def run_nanobatch_structured(llm, workload) -> Run:
     begin_engine_run(llm)
     schemas = workload.schemas or [next(iter(STRUCTURED_SCHEMAS.values()))] * len(workload.prompts)  # the warm-up has none of its own
     params = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(json=schema)) for n, schema in zip(workload.output_lens, schemas)]
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()  # (the engine's metrics are wall-clock)
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return engine_run(llm, outputs, seconds, start)
+    return engine_run(llm, outputs, seconds, wall_start)
 
 
 def run_structured(llm, workload, warmup, device, results, runs, details, extra):
@@ -626,10 +626,10 @@ def begin_engine_run(llm, prefix_caching=True):
 def run_nanobatch(llm, workload, prefix_caching=True, params=greedy) -> Run:
     """Continuous batching: every request is queued at once; the engine admits them as room frees up."""
     begin_engine_run(llm, prefix_caching)
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()  # (the engine's metrics are wall-clock)
     outputs = llm.generate(workload.prompts, [params(n) for n in workload.output_lens], use_tqdm=False)
     seconds = time.perf_counter() - start
-    return engine_run(llm, outputs, seconds, start)
+    return engine_run(llm, outputs, seconds, wall_start)
 
 
 def run_nanobatch_eager(llm, workload) -> Run:
@@ -646,14 +646,14 @@ def run_nanobatch_static(llm, workload) -> Run:
     the end of its longest request while the next batch waits."""
     begin_engine_run(llm)
     size, outputs, total = llm.config.max_num_seqs, [], EngineStats()
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()  # (the engine's metrics are wall-clock)
     for i in range(0, len(workload.prompts), size):
         llm.stats = EngineStats()
         outputs += llm.generate(workload.prompts[i : i + size], [greedy(n) for n in workload.output_lens[i : i + size]], use_tqdm=False)
         total = add_stats(total, llm.stats)
     seconds = time.perf_counter() - start
     llm.stats = total
-    return engine_run(llm, outputs, seconds, start)
+    return engine_run(llm, outputs, seconds, wall_start)
 
 
 def add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
@@ -668,13 +668,13 @@ def add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
     )
 
 
-def engine_run(llm, outputs, seconds, start) -> Run:
-    """Per-request latencies from the engine's metrics. Every request of the workload arrives at the start
-    of the run, so TTFT counts from there (for static batching that includes waiting for earlier batches)."""
+def engine_run(llm, outputs, seconds, wall_start) -> Run:
+    """Per-request latencies from the engine's metrics (wall-clock, time.time(), as vLLM's). Every request of the
+    workload arrives at wall_start, so TTFT counts from there (for static batching that includes waiting for earlier batches)."""
     ttfts, tpots = [], []
     for out in outputs:
         m, num_out = out.metrics, len(out.outputs[0].token_ids)
-        ttfts.append(m.first_token_time - start)
+        ttfts.append(m.first_token_time - wall_start)
         if num_out > 1:
             tpots.append((m.finished_time - m.first_token_time) / (num_out - 1))
     return Run(

@@ -4056,6 +4056,20 @@ def test_bench_same_out_compares_with_the_first_greedy_system():
     assert (beam["beam_width"], beam["max_tokens"], "output_len" in beam) == (4, 8, False)
 
 
+def test_bench_latencies_are_seconds_from_the_runs_start(tiny_llm, monkeypatch):
+    """The engine's metrics are wall-clock (time.time(), as vLLM's): TTFT within the run, TPOT within a step's reach."""
+    import bench
+
+    for module, name in ((nanobatch, "run_model"), (nanobatch, "sample"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # ForwardTimer wraps them: undone after the test
+    tiny_llm.forward_timer = bench.ForwardTimer(tiny_llm)
+    workload = bench.random_workload(tiny_llm.model_config.vocab_size, 4, 3, 9, 2, 5)
+    for run_fn in (bench.run_nanobatch, bench.run_nanobatch_static):
+        run = run_fn(tiny_llm, workload)
+        assert all(0 <= t <= run.seconds for t in run.ttfts) and all(0 <= t <= run.seconds for t in run.tpots), (run.ttfts, run.tpots)
+    del tiny_llm.forward_timer
+
+
 def test_bench_counts_truncated_json_as_invalid(monkeypatch):
     import bench
 
