@@ -1030,8 +1030,8 @@ class LLM:
 
     def _enqueue(self, text, token_ids, params, request_id=None):
         if request_id is None:  # the next number no request holds (add_request may have taken "7" by hand), nor a final output still to come
-            owed = lambda i: any(r.request_id == i for r in self.aborted) or any(o.request_id == i for o in self.owed)  # noqa: E731
-            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests and not owed(i))
+            pending = {r.request_id for r in self.aborted} | {o.request_id for o in self.owed}
+            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests and i not in pending)
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

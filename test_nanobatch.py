@@ -1040,7 +1040,8 @@ def test_generate_never_takes_an_id_whose_final_output_is_still_to_come(tiny_llm
     """A caller's request that ended inside generate (its output owed to the next step), or that was aborted, keeps its
     id until that output is out: a later generate's automatic id is another, and generate returns its own output."""
     greedy = SamplingParams(max_tokens=8, **GREEDY)
-    taken = [str(next(tiny_llm.request_counter) + k) for k in (1, 2)]  # the ids the next automatic ones would get
+    after = next(tiny_llm.request_counter)  # the next automatic ids are after + 1, + 2, ...: the two generates would take these
+    taken = [str(after + 2), str(after + 3)]
     tiny_llm.add_request([11, 12, 13], dataclasses.replace(greedy, max_tokens=2), request_id=taken[0])
     tiny_llm.add_request([14, 15], dataclasses.replace(greedy, max_tokens=50), request_id=taken[1])
     tiny_llm.generate([[21, 22, 23, 24]], greedy, use_tqdm=False)  # taken[0] ends inside: owed
