@@ -1195,8 +1195,9 @@ class LLM:
         if may_stop and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
         elif (may_stop and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
-            seq.finish_reason = "stop"  # generation_config's other EOS ids are stop tokens to vLLM: they are the stop_reason
-            seq.stop_reason = token_id if token_id != self.tokenizer.eos_token_id and token_id in self.eos_token_ids else None
+            seq.finish_reason = "stop"
+            if token_id != self.tokenizer.eos_token_id and token_id in self.eos_token_ids and not params.ignore_eos:
+                seq.stop_reason = token_id  # generation_config's other EOS ids are stop tokens to vLLM: they are the stop_reason
         num_chars = len(seq.text)
         if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
             detokenize(self.tokenizer, seq, token_id)
@@ -1474,11 +1475,13 @@ def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=T
     enable_thinking, say). The template already holds BOS where the model wants one: tokenize without adding it again."""
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}")
-    if not isinstance(chat_template_kwargs or {}, dict):
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {_cut(repr(chat_template_kwargs))}")
+    # as vLLM's: chat_template_kwargs may also set the options named above (add_generation_prompt, ...)
+    options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "documents": documents, **(chat_template_kwargs or {}), "tokenize": False}
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, documents=documents, **(chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(list(messages), **options)
     except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -2605,12 +2608,13 @@ def in_cli_words(message, parser):
     """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
     the flags --max-tokens and --max-num-seqs; quoted values (paths, the user's text) stay as they are."""
     flags = cli_flags(parser) | {"json": "--json-schema"}  # (StructuredOutputsParams.json)
-    fields = r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)\.(\w+)"
-    flag = lambda m: flags.get(m.group(1) or m.group(2) or m.group(3), m.group(0))  # noqa: E731
+    qualified = r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)\.(?P<field>\w+)"
+    snake_case = r"\b(?P<name>[a-z]+(?:_[a-z]+)+)\b"
+    flag = lambda m: flags.get(m["field"] or m["name"], m[0])  # noqa: E731
     parts = re.split(r"('[^']*'|\"[^\"]*\")", message)  # odd parts: the quoted ones
-    # a field's name, qualified, in snake_case, or one word that opens the message ("device is ..."); a flag left out is None
-    words = [re.sub(fields + r"|\b([a-z]+(?:_[a-z]+)+)\b|\A([a-z]+)\b(?= (?:is|must) )", flag, p) for p in parts[::2]]
-    parts[::2] = [re.sub(r",? or None\b", "", p) for p in words]
+    parts[::2] = [re.sub(qualified + "|" + snake_case, flag, p) for p in parts[::2]]
+    parts[0] = re.sub(r"\A[a-z]+(?= (?:is|must) )", lambda m: flags.get(m[0], m[0]), parts[0])  # one word opening it: "device is ..."
+    parts[::2] = [re.sub(r",? or None\b", "", p) for p in parts[::2]]  # a flag left out is None
     return "".join(parts)
 
 

@@ -646,7 +646,22 @@ class Message(Body):
         return {"role": self.role, "content": text or ""}
 
 
-class Chat(OpenAI):
+class ChatTemplate(Body):
+    """vLLM's chat-template options, on chat completions and /tokenize: passed to LLM.chat_prompt (chat_template,
+    a client's own Jinja, is refused: see UNSUPPORTED_FIELDS)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    def template(self):
+        names = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+class Chat(OpenAI, ChatTemplate):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: Int | None = None
@@ -656,20 +671,9 @@ class Chat(OpenAI):
     functions: Any = None
     function_call: Any = None
     echo: bool | None = None  # vLLM's chat extra (continue the last message's role): not implemented
-    add_generation_prompt: bool | None = None  # vLLM's chat extras, the template's options: passed to LLM.chat_prompt
-    continue_final_message: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[dict[str, Any]] | None = None
-
-    def template(self):
-        return {name: getattr(self, name) for name in TEMPLATE_FIELDS if getattr(self, name) is not None}
 
 
-TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")
-
-
-class Tokenize(Body):
+class Tokenize(ChatTemplate):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None  # tokenized as the chat template renders them
@@ -693,8 +697,12 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens")},
     **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority")},
     "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
-    "add_special_tokens": (lambda v, body: v is not None and v == hasattr(body, "messages"), "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
+    # (on completions and chat; /tokenize takes add_special_tokens for a prompt)
+    "add_special_tokens": (lambda v, body: isinstance(body, OpenAI) and v is not None and v != (not isinstance(body, Chat)),
+                           "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
     "echo": (lambda v, body: bool(v) and hasattr(body, "messages"), "chat echo is not implemented"),  # completions' echo is
+    # a client's own Jinja would run in the engine thread, unbounded: vLLM too refuses it unless its server trusts them
+    "chat_template": (lambda v, body: v is not None, "a request's own chat template is not run (vLLM's needs --trust-request-chat-template)"),
 }
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -720,11 +728,15 @@ def beam_search_params(body, params):
     # something (logprobs 0: each token's logprob; seed 0), a default sent as such (top_p 1, top_k -1, stop []) does not
     default = SamplingParams()
     taken = [name for name in BEAM_REFUSES if getattr(params, name) != getattr(default, name)]
-    taken += ["echo"] * bool(getattr(body, "echo", None)) + [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(body, name, None) is not None]
+    if getattr(body, "echo", None):
+        taken.append("echo")
+    taken += [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(body, name, None) is not None]
     if taken:
         raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
+    if params.max_tokens is None:  # ("max_tokens": null)
+        raise ServerError("use_beam_search needs max_tokens as a number (null, up to max_model_len, is not served with beams)", param="max_tokens")
     try:
-        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or SamplingParams.max_tokens, ignore_eos=params.ignore_eos,
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
     except ValueError as e:
         raise ServerError.invalid(e) from None
@@ -1190,13 +1202,13 @@ async def chat(request: Request):
 @routes.post("/tokenize")
 async def tokenize(request: Request):
     server = request.app.state.server
-    body = check_model(server, await read_json(request, Tokenize))
+    body = reject_unsupported(check_model(server, await read_json(request, Tokenize)))
     if (body.prompt is None) == (body.messages is None):
         raise ServerError("send one of 'prompt' or 'messages'")
 
     def encode(llm):
         if body.messages is not None:  # the chat template holds its own special tokens
-            return llm.chat_prompt([m.for_template() for m in body.messages])["prompt_token_ids"]
+            return llm.chat_prompt([m.for_template() for m in body.messages], **body.template())["prompt_token_ids"]
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     token_ids = await ask(server.engine, encode)

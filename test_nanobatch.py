@@ -3261,6 +3261,8 @@ def test_max_tokens_null_runs_up_to_the_context(server):
     before = engine_state(server)["output_tokens"]
     assert post(server, "/generate", {"prompt": text, "max_tokens": None, **GREEDY_JSON})[0] == 200
     assert engine_state(server)["output_tokens"] - before == 22
+    status, answer = post(server, "/generate", {"prompt": text, "max_tokens": None, "use_beam_search": True, "n": 2})  # beams take a number
+    assert status == 400 and "use_beam_search needs max_tokens as a number" in answer["error"]["message"]
 
 
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
@@ -3275,21 +3277,26 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("completions", "return_token_ids", True),
     ("chat", "add_special_tokens", True),
     ("chat", "echo", True),
+    ("chat", "chat_template", "{{ messages[0]['content'] }}"),  # a client's own Jinja: vLLM's needs --trust-request-chat-template
+    ("completions", "priority", 1),
+    ("completions", "spaces_between_special_tokens", False),
 ]
 
 
 def test_chat_template_options_reach_the_template(server):
-    """As vLLM's: chat_template (Jinja), chat_template_kwargs (its variables), continue_final_message."""
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %} {{ x }}"
-    status, body = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "chat_template": template,
-                                                         "chat_template_kwargs": {"x": "seven"}, "max_tokens": 1})
-    assert status == 200 and body["usage"]["prompt_tokens"] == post(server, "/tokenize", {"prompt": "Hello seven", "add_special_tokens": False})[1]["count"]
+    """As vLLM's: chat_template_kwargs (the template's variables; they may set the options too), add_generation_prompt,
+    continue_final_message, on chat completions and /tokenize alike."""
     messages = [*CHAT, {"role": "assistant", "content": "The capital"}]
-    go_on = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True}
-    status, body = post(server, "/v1/chat/completions", go_on)
-    assert status == 200 and body["usage"]["prompt_tokens"] < post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})[1]["usage"]["prompt_tokens"]
-    status, body = post(server, "/v1/chat/completions", {**go_on, "add_generation_prompt": True})  # transformers refuses both
+    count = lambda **options: post(server, "/tokenize", {"messages": messages, **options})[1]["count"]  # noqa: E731
+    plain, no_prompt, go_on = count(), count(add_generation_prompt=False), count(add_generation_prompt=False, continue_final_message=True)
+    assert plain > no_prompt > go_on  # the generation prompt, then the end of the last message, left out
+    assert count(chat_template_kwargs={"add_generation_prompt": False}) == no_prompt
+    for options, tokens in (({}, plain), ({"add_generation_prompt": False, "continue_final_message": True}, go_on)):
+        status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **options})
+        assert status == 200 and body["usage"]["prompt_tokens"] == tokens
+    status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "continue_final_message": True})  # transformers refuses both
     assert status == 400 and "the chat template rejected the messages" in body["error"]["message"]
+    assert post(server, "/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"})[0] == 400
 
 
 def test_vllms_extras_at_their_defaults_are_served(server):
