@@ -77,9 +77,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share full KV blocks (prompt and output) between requests with equal prefixes
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    seed: int = 0  # seeds the engine's one generator, which samples every request that has no seed of its own
+    seed: int | None = 0  # seeds the engine's one generator, which samples every request that has no seed of its own; None: a random seed
     tensor_parallel_size: int = 1  # ranks that split each layer (Megatron); >1 spawns ranks 1..N-1, or runs under torchrun
     enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs the model eagerly (vLLM's name)
+    trust_remote_code: bool = False  # taken, as vLLM's: nanobatch runs its own Llama code, never code shipped with a model
 
     def __post_init__(self):
         check_engine_config(self)  # hook (Validation): clear errors for bad numbers and devices
@@ -966,7 +967,8 @@ class LLM:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
         self.owed: list[RequestOutput] = []  # final outputs of add_request's requests that ended inside generate(): the same
-        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(self.config.seed) if self.config.seed is not None else self.generator.seed()  # (seed(): a random one)
         self.request_counter, self.seq_counter = itertools.count(), itertools.count()
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -1046,6 +1048,9 @@ class LLM:
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
+
+    def get_tokenizer(self):  # vLLM's name for it
+        return self.tokenizer
 
     def chat_prompt(self, messages, **template):
         """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids}; template: vLLM's chat options (see Validation)."""
@@ -1322,6 +1327,8 @@ def _token_ids(ids):
 
 
 def check_engine_config(c: EngineConfig):
+    c.dtype = str(c.dtype).removeprefix("torch.") if isinstance(c.dtype, torch.dtype) else c.dtype
+    c.dtype = {"half": "float16", "float": "float32"}.get(c.dtype, c.dtype)  # vLLM's names too
     positive_or_none = lambda v: v is None or (_int(v) and v >= 1)  # noqa: E731
     check_fields(c, "", [
         ("block_size", lambda v: _int(v) and 1 <= v <= 256 and v & (v - 1) == 0, "must be a power of two from 1 to 256"),
@@ -1333,6 +1340,7 @@ def check_engine_config(c: EngineConfig):
         ("gpu_memory_utilization", lambda v: _num(v) and 0 < v <= 1, "must be in (0, 1]"),
         ("tensor_parallel_size", lambda v: _int(v) and v >= 1, "must be a positive integer"),
         ("enforce_eager", lambda v: isinstance(v, bool), "must be True or False"),
+        ("seed", lambda v: v is None or (_int(v) and 0 <= v < 2**63), "must be an integer from 0 to 2**63 - 1, or None"),
         ("dtype", lambda v: v == "auto" or v in DTYPES, f"must be 'auto' or one of {sorted(DTYPES)}"),
     ])
     if c.max_num_batched_tokens < c.max_num_seqs:  # as vLLM: else some running sequences get no token for steps

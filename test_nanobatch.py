@@ -1972,11 +1972,22 @@ def test_invalid_sampling_params(field, value, message):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu")],
+    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"),
+     ("seed", -1), ("seed", 1.5)],
 )
 def test_invalid_engine_config(field, value):
     with pytest.raises(ValueError, match=field if field != "device" else "device"):
         EngineConfig(**{field: value})
+
+
+def test_engine_config_takes_vllms_spellings(tiny_models):
+    """dtype as vLLM's LLM takes it ("half", "float", a torch.dtype); trust_remote_code is taken (no model code ever runs);
+    seed None is a random seed; get_tokenizer is vLLM's name for the tokenizer."""
+    for dtype, expected in (("half", "float16"), ("float", "float32"), (torch.float32, "float32"), (torch.float16, "float16")):
+        assert EngineConfig(dtype=dtype, device="cpu").dtype == expected
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], seed=None, trust_remote_code=True, num_kv_blocks=8, **CPU)
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert llm.get_tokenizer() is llm.tokenizer
 
 
 def test_a_cuda_device_this_machine_lacks_is_named(monkeypatch):
