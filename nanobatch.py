@@ -753,6 +753,17 @@ def default_model_path():
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a HF folder's tokenizer
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",  # generation_config.json's
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # sampling settings -> SamplingParams'
+
+
+def read_generation_config(path):
+    """A HF folder's generation_config.json as a dict (sampling defaults, EOS ids); {} for a .gguf file or without one."""
+    file = os.path.join(os.path.expanduser(path), "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def read_config(path):
@@ -956,7 +967,8 @@ class LLM:
         self.device = torch.device(self.config.device)
         path = os.path.expanduser(self.config.model or default_model_path())
         self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp)
-        self.eos_token_ids = self._eos_token_ids(path)
+        self.generation_config = read_generation_config(path)  # {} but for a HF folder with a generation_config.json
+        self.eos_token_ids = self._eos_token_ids()
         self.kv_pool, num_blocks = self._allocate_kv_cache()
         self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
@@ -987,13 +999,14 @@ class LLM:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} tokens")
         self.max_model_len = self.config.max_model_len or limit
 
-    def _eos_token_ids(self, path):
-        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None))}
-        gen_config = os.path.join(path, "generation_config.json")
-        if os.path.isdir(path) and os.path.exists(gen_config):
-            with open(gen_config) as f:
-                ids.update(_as_list(json.load(f).get("eos_token_id")))
+    def _eos_token_ids(self):
+        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None)), *_as_list(self.generation_config.get("eos_token_id"))}
         return {i for i in ids if i is not None}
+
+    def get_default_sampling_params(self):
+        """vLLM's: SamplingParams with the model's generation_config.json settings (temperature, top_p, ...); generate's default."""
+        g = self.generation_config
+        return SamplingParams(**{ours: g[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if g.get(theirs) is not None})
 
     def _allocate_kv_cache(self):
         cfg, c = self.model.cfg, self.config  # this rank's heads (all of them without tensor parallelism)
@@ -1020,7 +1033,7 @@ class LLM:
         return self._enqueue(*self._validate(prompt, params), request_id)
 
     def _validate(self, prompt, params, **change):
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         # a copy (its lists too), as vLLM: the caller may reuse or change theirs (beam groups give only final outputs)

@@ -2044,6 +2044,20 @@ def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_pat
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", reason)
 
 
+def test_generation_config_sampling_settings_are_the_default_params(tiny_models, tmp_path):
+    """As vLLM's (generation_config "auto"): get_default_sampling_params() takes the model's generation_config.json
+    sampling settings, and generate() without params uses them."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "do_sample": True}))
+    llm = LLM(model=str(folder), num_kv_blocks=8, **CPU)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_p) == (0.0, 0.9, 20, 3, SamplingParams.min_p)
+    greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids == greedy  # greedy, 3 tokens at most: the folder's settings
+    assert LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, **CPU).get_default_sampling_params() == SamplingParams()
+
+
 def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
     """A Mistral repo's layout, sharded model-*.safetensors with their index beside Mistral's own consolidated.safetensors
     (the same weights under other names), and a LoRA adapter beside either layout: only the index's files, or
