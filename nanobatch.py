@@ -753,17 +753,6 @@ def default_model_path():
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a HF folder's tokenizer
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",  # generation_config.json's
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # sampling settings -> SamplingParams'
-
-
-def read_generation_config(path):
-    """A HF folder's generation_config.json as a dict (sampling defaults, EOS ids); {} for a .gguf file or without one."""
-    file = os.path.join(os.path.expanduser(path), "generation_config.json")
-    if not os.path.isfile(file):
-        return {}
-    with open(file) as f:
-        return json.load(f)
 
 
 def read_config(path):
@@ -967,8 +956,8 @@ class LLM:
         self.device = torch.device(self.config.device)
         path = os.path.expanduser(self.config.model or default_model_path())
         self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp)
-        self.generation_config = read_generation_config(path)  # {} but for a HF folder with a generation_config.json
-        self.eos_token_ids = self._eos_token_ids()
+        self.generation_config = read_generation_config(path)  # hook (Generation config): {} but for a HF folder with one
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config, self.generation_config)  # hook (Generation config)
         self.kv_pool, num_blocks = self._allocate_kv_cache()
         self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
         self.allocator = BlockAllocator(num_blocks, self.config.block_size)
@@ -999,14 +988,9 @@ class LLM:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} tokens")
         self.max_model_len = self.config.max_model_len or limit
 
-    def _eos_token_ids(self):
-        ids = {self.tokenizer.eos_token_id, *_as_list(getattr(self.hf_config, "eos_token_id", None)), *_as_list(self.generation_config.get("eos_token_id"))}
-        return {i for i in ids if i is not None}
-
     def get_default_sampling_params(self):
         """vLLM's: SamplingParams with the model's generation_config.json settings (temperature, top_p, ...); generate's default."""
-        g = self.generation_config
-        return SamplingParams(**{ours: g[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if g.get(theirs) is not None})
+        return default_sampling_params(self.generation_config)  # hook (Generation config)
 
     def _allocate_kv_cache(self):
         cfg, c = self.model.cfg, self.config  # this rank's heads (all of them without tensor parallelism)
@@ -1304,7 +1288,7 @@ class LLM:
 #
 # Everything below joins the engine at a named place: check_* (check_model_path, check_checkpoint, ...) /
 # validate_prompts / tokenize_prompt / chat_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
-# kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
+# read_generation_config / eos_token_ids / default_sampling_params (Generation config), kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
 # BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
 # (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
 # track_token (Logprobs and the per-token state), StructuredOutputManager / grammar_terminated
@@ -1639,6 +1623,34 @@ def scale_rope(inv_freq, s):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # in between: interpolated
     return torch.where(medium, smoothed, scaled)
+
+
+# ---- Generation config: EOS ids and default sampling settings ----
+
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",  # generation_config.json's
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # sampling settings -> SamplingParams'
+
+
+def read_generation_config(path):
+    """A HF folder's generation_config.json as a dict (sampling defaults, EOS ids); {} for a .gguf file or without one."""
+    file = os.path.join(os.path.expanduser(path), "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def eos_token_ids(tokenizer, hf_config, generation_config):
+    """Every token that ends an output: the tokenizer's EOS, config.json's and generation_config.json's (Llama 3
+    Instruct names its end-of-turn token there; LLM._check_stop makes the others the stop_reason, as vLLM's)."""
+    ids = {tokenizer.eos_token_id, *_as_list(getattr(hf_config, "eos_token_id", None)), *_as_list(generation_config.get("eos_token_id"))}
+    return {i for i in ids if i is not None}
+
+
+def default_sampling_params(generation_config):
+    """As vLLM's generation_config "auto": SamplingParams() with the model's own sampling settings where it has them."""
+    g = generation_config
+    return SamplingParams(**{ours: g[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if g.get(theirs) is not None})
 
 
 # ---- KV pool size: 1 GiB on a CPU; on a GPU, what a profile run leaves ----
