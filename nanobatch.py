@@ -1482,6 +1482,7 @@ def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=T
         raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {_cut(repr(chat_template_kwargs))}")
+    messages = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
     # as vLLM's: chat_template_kwargs may also set the options named above (add_generation_prompt, ...)
     options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                "documents": documents, **(chat_template_kwargs or {}), "tokenize": False}
@@ -1490,6 +1491,14 @@ def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=T
     except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def text_of_parts(parts):
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, joined by newlines as vLLM's
+    does for a template that takes strings. Only text: nanobatch runs text models."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}), got {_cut(repr(parts))}")
+    return "\n".join(p["text"] for p in parts)
 
 
 def tokenize_prompt(llm, prompt):

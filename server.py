@@ -641,9 +641,9 @@ class Message(Body):
     role: str
     content: Annotated[str | list[TextPart], one_of('a string or a list of text parts ({"type": "text", "text": ...})')] | None = None
 
-    def for_template(self):
-        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text or ""}
+    def for_template(self):  # (LLM.chat_prompt joins text parts as vLLM's does)
+        content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content
+        return {"role": self.role, "content": content or ""}
 
 
 class ChatTemplate(Body):

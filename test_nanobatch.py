@@ -1217,6 +1217,10 @@ def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_
     assert [o.outputs[0].token_ids for o in one] == [out.outputs[0].token_ids] == [two[0].outputs[0].token_ids] and len(two) == 2
     custom = tiny_llm.chat_prompt([{"role": "user", "content": "Hi"}], chat_template="{{ messages[0]['content'] }}, {{ who }}", chat_template_kwargs={"who": "you"})
     assert custom["prompt"] == "Hi, you"
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]  # OpenAI's content parts: joined by newlines, as vLLM's
+    assert tiny_llm.chat_prompt([{"role": "user", "content": parts}]) == tiny_llm.chat_prompt([{"role": "user", "content": "Hi\nthere"}])
+    with pytest.raises(ValueError, match="content parts must be text parts"):
+        tiny_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], use_tqdm=False)
     for bad in ("Hi", [], [["Hi"]], [[]]):
         with pytest.raises(ValueError, match="a conversation must be a non-empty list of"):
             tiny_llm.chat(bad, use_tqdm=False)
@@ -3322,6 +3326,8 @@ def test_chat_template_options_reach_the_template(server):
     status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "continue_final_message": True})  # transformers refuses both
     assert status == 400 and "the chat template rejected the messages" in body["error"]["message"]
     assert post(server, "/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"})[0] == 400
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]  # joined as vLLM's: by newlines
+    assert post(server, "/tokenize", {"messages": parts})[1]["tokens"] == post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi\nthere"}]})[1]["tokens"]
 
 
 def test_vllms_extras_at_their_defaults_are_served(server):
