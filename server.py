@@ -108,7 +108,7 @@ class ServerError(Exception):
         """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
         `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
         message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
-        field = re.match(r"([a-z_]+)(=| must | cannot | has token id | \S+ exceeds )", message)
+        field = re.match(r"([a-z_.]+)(=| must | cannot | has token id | \S+ exceeds )", message)
         return cls(prefix + message, param=field and field.group(1))
 
     def body(self):
@@ -515,8 +515,10 @@ def structured_outputs_from_request(body):
     (name, fields), = given.items()
     try:
         return StructuredOutputsParams(**fields)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+    except ValueError as e:  # in the request's words: guided_choice, structured_outputs.choice, response_format
+        named = lambda m: f"{name}.{m[1]}" if name == "structured_outputs" else name  # noqa: E731
+        message, found = re.subn(r"StructuredOutputsParams\.(\w+)", named, str(e))
+        raise ValueError(message if found else f"{name}: {e}") from None
 
 
 def one_of(description):

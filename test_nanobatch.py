@@ -1609,7 +1609,8 @@ def test_request_fields_map_to_structured_outputs(body, expected):
     ({"structured_outputs": "json"}, "structured_outputs must be an object"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "give one structured output constraint, got guided_json, guided_regex"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "give one structured output constraint, got response_format, guided_choice"),
-    ({"guided_choice": "ab"}, "guided_choice: StructuredOutputsParams.choice must be"),
+    ({"guided_choice": "ab"}, "guided_choice must be a non-empty list"),  # the request's field, not the engine's class
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex must be a non-empty string"),
 ])
 def test_bad_request_fields_name_the_problem(body, message):
     with pytest.raises(ValueError, match=re.escape(message)):
