@@ -238,12 +238,12 @@ class Workload:
     def describe(self):
         d = {"name": self.name, "num_requests": len(self.prompts), "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens}
         d["prompt_len"] = [min(map(len, self.prompts)), max(map(len, self.prompts))]
-        d["output_len"] = [min(self.output_lens), max(self.output_lens)]
-        if self.prefix_len:
-            d["prefix_len"] = self.prefix_len
         if self.beam_width:  # output_lens count every beam's tokens: a request's max_tokens is a beam's
             d["beam_width"], d["max_tokens"] = self.beam_width, self.output_lens[0] // self.beam_width
-            del d["output_len"]
+        else:
+            d["output_len"] = [min(self.output_lens), max(self.output_lens)]
+        if self.prefix_len:
+            d["prefix_len"] = self.prefix_len
         return d
 
 

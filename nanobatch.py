@@ -970,7 +970,10 @@ class LLM:
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
         self.owed: list[RequestOutput] = []  # final outputs of add_request's requests that ended inside generate(): the same
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(self.config.seed) if self.config.seed is not None else self.generator.seed()  # (seed(): a random one)
+        if self.config.seed is None:
+            self.generator.seed()  # a random seed, as vLLM's seed=None
+        else:
+            self.generator.manual_seed(self.config.seed)
         self.request_counter, self.seq_counter = itertools.count(), itertools.count()
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)

@@ -571,9 +571,9 @@ class Sampling(Body):
 
     def sampling_params(self, **fields):
         """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
-        given = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS}
-        # as vLLM: "max_tokens": null is up to max_model_len (SamplingParams' None); absent, it is the default (16)
-        given = {name: v for name, v in given.items() if v is not None or (name == "max_tokens" and name in self.model_fields_set)}
+        # the fields sent (None: left to SamplingParams' default), but "max_tokens": null, which is vLLM's "up to max_model_len"
+        names = [name for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS]
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None or (name == "max_tokens" and name in self.model_fields_set)}
         try:
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
             return SamplingParams(**{**given, **fields}, structured_outputs=constraint)
@@ -913,7 +913,8 @@ class OpenAIFormat:
 
     def __init__(self, chat, request_id, model, params, num_prompts=1, usage=(False, False), echo=False, prompt_only=False, prompt_logprobs=False):
         self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
-        self.num_prompts, (self.include_usage, self.continuous_usage) = num_prompts, usage  # see StreamOptions.usage
+        self.num_prompts = num_prompts
+        self.include_usage, self.continuous_usage = usage  # see StreamOptions.usage
         self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
         self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
