@@ -569,14 +569,14 @@ class Sampling(Body):
     skip_special_tokens: bool | None = None
     prompt_logprobs: Int | None = None
 
-    def sampling_params(self, **fields):
-        """SamplingParams of the fields given, then of `fields` (the endpoint's own); its ValueError is a 400."""
-        # the fields sent (None: left to SamplingParams' default), but "max_tokens": null, which is vLLM's "up to max_model_len"
+    def sampling_params(self, defaults=None, **fields):
+        """SamplingParams of the fields sent, else of `defaults` (the model's generation_config.json settings, as vLLM's
+        OpenAI server takes them), else SamplingParams' own; `fields` (the endpoint's own) over all. Its ValueError is a 400."""
         names = [name for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS]
-        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None or (name == "max_tokens" and name in self.model_fields_set)}
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         try:
             constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
-            return SamplingParams(**{**given, **fields}, structured_outputs=constraint)
+            return SamplingParams(**{**(defaults or {}), **given, **fields}, structured_outputs=constraint)
         except ValueError as e:
             raise ServerError.invalid(e) from None
 
@@ -718,10 +718,10 @@ def reject_unsupported(body):
     return body
 
 
-def beam_search_params(body, params):
+def beam_search_params(body, params, default_temperature=None):
     """vLLM's `use_beam_search` (/generate, and an extra field of /v1/completions): beam search with
     n beams, the n best returned, best first; None when the request does not ask for it. The response
-    is shaped by params (n outputs per prompt) as for sampling."""
+    is shaped by params (n outputs per prompt) as for sampling; default_temperature: the generation config's."""
     if not body.use_beam_search:
         return None
     if body.stream:
@@ -739,7 +739,7 @@ def beam_search_params(body, params):
         raise ServerError("use_beam_search needs max_tokens as a number (null, up to max_model_len, is not served with beams)", param="max_tokens")
     try:
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                                temperature=body.temperature or 0.0, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+                                temperature=next((t for t in (body.temperature, default_temperature) if t is not None), 0.0), length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
     except ValueError as e:
         raise ServerError.invalid(e) from None
 
@@ -1162,7 +1162,9 @@ async def fill_echo(engine, fmt, index, out):
 @routes.post("/generate")
 async def generate(request: Request):
     body = reject_unsupported(await read_json(request, Generate))
-    params = body.sampling_params(logprobs=body.logprobs)
+    # vLLM's /generate makes SamplingParams(**body): no generation-config defaults, and "max_tokens": null is up to max_model_len
+    unbounded = {"max_tokens": None} if body.max_tokens is None and "max_tokens" in body.model_fields_set else {}
+    params = body.sampling_params(logprobs=body.logprobs, **unbounded)
     sub = Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params, beam=beam_search_params(body, params))
     return await respond(request, sub, GenerateFormat(params), bool(body.stream))
 
@@ -1178,11 +1180,14 @@ async def completions(request: Request):
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
     k = body.logprobs
     prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
-    params = body.sampling_params(logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
+    # "max_tokens": null is 16, as absent (vLLM 0.32's); beams take no sampling settings, the config's neither
+    defaults = {} if body.use_beam_search else server.sampling_defaults
+    params = body.sampling_params(defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
     fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), StreamOptions.usage(body), bool(body.echo), prompt_only, with_prompt_logprobs)
-    sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam_search_params(body, params))
+    beam = beam_search_params(body, params, server.sampling_defaults.get("temperature"))
+    sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam)
     return await respond(request, sub, fmt, bool(body.stream))
 
 
@@ -1194,8 +1199,9 @@ async def chat(request: Request):
         raise ServerError("'top_logprobs' needs 'logprobs': true")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:  # (the engine's message would name its field, logprobs)
         raise ServerError(f"top_logprobs must be an integer from 0 to 20, got {body.top_logprobs}", param="top_logprobs")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens  # None: up to max_model_len
-    params = body.sampling_params(max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    # None: the generation config's max_new_tokens, else up to max_model_len (vLLM's)
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens, server.default_max_tokens) if m is not None), None)
+    params = body.sampling_params(server.sampling_defaults, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
     sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=body.template())
@@ -1326,6 +1332,13 @@ class Server:
         self.model_path = os.path.normpath(os.path.expanduser(llm.config.model or default_model_path()))
         self.model_name = config.served_model_name or served_model_name(llm)
         self.max_model_len, self.created = llm.max_model_len, int(time.time())
+        # what a completion or chat request leaves out comes from generation_config.json, as in vLLM's server;
+        # its max_new_tokens only where a chat sends no max_tokens, at most max_model_len
+        defaults, plain = llm.get_default_sampling_params(), SamplingParams()
+        self.sampling_defaults = {f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                                  if getattr(defaults, f) != getattr(plain, f)}
+        new_tokens = llm.generation_config.get("max_new_tokens")
+        self.default_max_tokens = None if new_tokens is None else min(new_tokens, llm.max_model_len)
         self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
         self.metrics = ServerMetrics(self.model_name, llm)
         self.engine = EngineLoop(llm, self.metrics)

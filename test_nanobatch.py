@@ -3281,11 +3281,11 @@ def test_what_vllm_accepts_is_accepted(server):
 
 
 def test_max_tokens_null_runs_up_to_the_context(server):
-    """As vLLM: "max_tokens": null is up to max_model_len (completions and /generate); absent, it is 16."""
+    """As vLLM: "max_tokens": null is up to max_model_len on /generate (vLLM's SamplingParams(**body)) and on chat;
+    on completions, absent or null, it is 16 (vLLM 0.32's CompletionRequest)."""
     ids = [1000] * 490  # 22 tokens of room under max_model_len 512
     assert post(server, "/v1/completions", {"prompt": ids, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
-    status, answer = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})
-    assert status == 200 and answer["usage"]["completion_tokens"] == 22 and answer["choices"][0]["finish_reason"] == "length"
+    assert post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
     text = post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
     assert post(server, "/tokenize", {"prompt": text})[1]["count"] == 490
     before = engine_state(server)["output_tokens"]
@@ -3293,6 +3293,36 @@ def test_max_tokens_null_runs_up_to_the_context(server):
     assert engine_state(server)["output_tokens"] - before == 22
     status, answer = post(server, "/generate", {"prompt": text, "max_tokens": None, "use_beam_search": True, "n": 2})  # beams take a number
     assert status == 400 and "use_beam_search needs max_tokens as a number" in answer["error"]["message"]
+
+
+def test_completions_and_chat_take_what_a_request_leaves_out_from_the_generation_config(server_model_dir, tmp_path):
+    """As vLLM's OpenAI server (generation_config "auto"): a completion or chat request's missing sampling fields come
+    from generation_config.json, a chat's missing max_tokens from its max_new_tokens; what a request sends wins;
+    /generate (vLLM's SamplingParams(**body)) and beam search take none of it."""
+    folder = tmp_path / "with_generation_config"
+    shutil.copytree(server_model_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.5, "max_new_tokens": 5}))
+    llm = LLM(model=str(folder), num_kv_blocks=64, max_num_seqs=8, **CPU)
+    srv, url = start_server(llm, "127.0.0.1", 0)
+    srv.test_url = url
+    try:
+        assert (srv.sampling_defaults, srv.default_max_tokens) == ({"temperature": 0.0, "top_p": 0.5}, 5)
+        prompt = {"prompt": [5, 6, 7], "ignore_eos": True}
+        greedy = post(srv, "/v1/completions", {**prompt, "temperature": 0.0, "max_tokens": 16})[1]["choices"][0]["text"]
+        status, answer = post(srv, "/v1/completions", prompt)  # the config's temperature 0: greedy; max_tokens 16, a completion's default
+        assert status == 200 and answer["choices"][0]["text"] == greedy and answer["usage"]["completion_tokens"] == 16
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        assert post(srv, "/v1/chat/completions", chat)[1]["usage"]["completion_tokens"] == 5  # max_new_tokens
+        assert post(srv, "/v1/chat/completions", {**chat, "max_tokens": 7})[1]["usage"]["completion_tokens"] == 7
+        texts = {post(srv, "/v1/completions", {**prompt, "temperature": 1.0, "top_p": 1.0, "seed": s})[1]["choices"][0]["text"] for s in range(4)}
+        assert len(texts) > 1  # sent, temperature 1 samples: the config's 0 does not override it
+        before = engine_state(srv)["output_tokens"]
+        assert post(srv, "/generate", {"prompt": "hi", "ignore_eos": True})[0] == 200
+        assert engine_state(srv)["output_tokens"] - before == 16  # not the config's 5
+        status, answer = post(srv, "/v1/completions", {**prompt, "use_beam_search": True, "n": 2, "max_tokens": 3})
+        assert status == 200 and len(answer["choices"]) == 2  # the config's top_p is not a field beam search refuses
+    finally:
+        srv.stop()
 
 
 REJECTED = [  # (endpoint, field, value): changes the output, not implemented -> 400 naming it
