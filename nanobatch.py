@@ -1197,13 +1197,12 @@ class LLM:
         params, num_output = seq.request.params, seq.num_output_tokens
         if seq.finish_reason is not None:  # a grammar's dead end (advance_grammar) ended it already
             return
-        may_stop = num_output >= params.min_tokens
-        if may_stop and token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif (may_stop and not params.ignore_eos and token_id in self.eos_token_ids) or grammar_terminated(seq):
+        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        stop_token = num_output >= params.min_tokens and (eos or token_id in params.stop_token_ids)
+        if stop_token or grammar_terminated(seq):
             seq.finish_reason = "stop"
-            if token_id != self.tokenizer.eos_token_id and token_id in self.eos_token_ids and not params.ignore_eos:
-                seq.stop_reason = token_id  # generation_config's other EOS ids are stop tokens to vLLM: they are the stop_reason
+            if stop_token and not (eos and token_id == self.tokenizer.eos_token_id):  # vLLM checks the tokenizer's EOS first: no stop_reason;
+                seq.stop_reason = token_id  # other stop tokens (generation_config's other EOS ids too) are the stop_reason
         num_chars = len(seq.text)
         if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
             detokenize(self.tokenizer, seq, token_id)
@@ -1368,6 +1367,7 @@ def check_device(name):
 
 def check_sampling_params(p: SamplingParams):
     p.stop = [p.stop] if isinstance(p.stop, str) else p.stop
+    p.seed = None if p.seed == -1 else p.seed  # vLLM's "no seed"
     for name, kinds in (("stop", (list, tuple)), ("stop_token_ids", (list, tuple)), ("logit_bias", (dict,))):
         value = getattr(p, name)  # None means none; a value of another type is left for its rule below to name
         setattr(p, name, kinds[0]() if value is None else kinds[0](value) if isinstance(value, kinds) else value)
@@ -1381,7 +1381,7 @@ def check_sampling_params(p: SamplingParams):
         ("max_tokens", lambda v: v is None or (_int(v) and v >= 1), "must be an integer >= 1 or None"),
         ("stop", lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v), "must be a non-empty string or a list of them"),
         ("stop_token_ids", lambda v: isinstance(v, list) and _token_ids(v), "must be a list of token ids (integers >= 0)"),
-        ("seed", lambda v: v is None or (_int(v) and 0 <= v < 2**63), "must be an integer from 0 to 2**63 - 1, or None"),
+        ("seed", lambda v: v is None or (_int(v) and 0 <= v < 2**63), "must be an integer from 0 to 2**63 - 1, or None (or -1: none)"),
         ("logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
         ("prompt_logprobs", logprobs_rule, "must be an integer from 0 to 20 or None"),
         ("presence_penalty", lambda v: _num(v) and -2 <= v <= 2, "must be a number from -2 to 2"),
@@ -1449,10 +1449,11 @@ def check_fits(llm, token_ids, params):
     if num_beams > 1 and 2 * num_beams > llm.model_config.vocab_size:
         raise ValueError(f"BeamSearchParams.beam_width {num_beams} is too large for a vocabulary of {llm.model_config.vocab_size}")
     params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
-    if params.max_tokens is not None and params.max_tokens > llm.max_model_len:  # vLLM's 400: it could never be reached
-        raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len={llm.max_model_len}. Please request fewer output tokens.")
-    if len(token_ids) >= llm.max_model_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is {llm.max_model_len} (the prompt and at least one output token must fit)")
+    if len(token_ids) > llm.max_model_len:  # vLLM's words: clients tell a context-window error by them
+        raise ValueError(f"This model's maximum context length is {llm.max_model_len} tokens. However, your prompt contains {len(token_ids)} input tokens, "
+                         "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.")
+    if len(token_ids) == llm.max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, as many as max_model_len: no output token would fit")
     if params.n > llm.config.max_num_seqs:
         name = "BeamSearchParams.beam_width" if num_beams > 1 else "SamplingParams.n"
         raise ValueError(f"{name} {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
@@ -1470,10 +1471,10 @@ def validate_prompts(llm, prompts, sampling_params, **change):
     ids, params)] from llm._validate, each checked before any is queued; an error names the prompt."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    prompts = list(prompts) if prompts is not None else []
-    if not prompts:
+    if prompts is None:
         raise ValueError("no prompts given")
-    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    prompts = list(prompts)  # (an empty list gives no outputs, as vLLM's)
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
     validated = []
@@ -1493,15 +1494,31 @@ def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=T
         raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {_cut(repr(chat_template_kwargs))}")
+    if unexpected := {"chat_template", "tokenize"} & (chat_template_kwargs or {}).keys():  # vLLM's error (a template goes in chat_template)
+        raise ValueError(f"Found unexpected chat template kwargs from request: {sorted(unexpected)}")
     messages = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
-    # as vLLM's: chat_template_kwargs may also set the options named above (add_generation_prompt, ...)
-    options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-               "documents": documents, **(chat_template_kwargs or {}), "tokenize": False}
+    template = chat_template or tokenizer.chat_template or ""
+    if any(m.get("role") == "developer" for m in messages) and '"developer"' not in template and "'developer'" not in template:
+        messages = developer_as_system(messages)
+    # as vLLM's merge_kwargs: the options named above win over chat_template_kwargs, but where they are None
+    named = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message, "documents": documents}
+    options = {**(chat_template_kwargs or {}), **{k: v for k, v in named.items() if v is not None}, "chat_template": chat_template, "tokenize": False}
     try:
         text = tokenizer.apply_chat_template(list(messages), **options)
     except Exception as e:  # jinja raises on what a template forbids (roles that do not alternate, ...)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def developer_as_system(messages):
+    """As vLLM for a template that knows no "developer" role (OpenAI's newer name for system): developer messages
+    become system ones, and where that leaves a system message past the first, all merge into one at the front."""
+    messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(messages) if m.get("role") == "system"]
+    if systems in ([], [0]):
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(messages[i]["content"] for i in systems if messages[i].get("content"))}
+    return [merged, *(m for m in messages if m.get("role") != "system")]
 
 
 def text_of_parts(parts):
@@ -1647,8 +1664,9 @@ def scale_rope(inv_freq, s):
 
 # ---- Generation config: EOS ids and default sampling settings ----
 
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",  # generation_config.json's
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # sampling settings -> SamplingParams'
+# generation_config.json's sampling settings that vLLM takes (transformers' GenerationConfig has no presence or frequency
+# penalty), in SamplingParams' names but max_new_tokens (max_tokens)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def read_generation_config(path):
@@ -1670,7 +1688,7 @@ def eos_token_ids(tokenizer, hf_config, generation_config):
 def default_sampling_params(generation_config):
     """As vLLM's generation_config "auto": SamplingParams() with the model's own sampling settings where it has them."""
     g = generation_config
-    return SamplingParams(**{ours: g[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if g.get(theirs) is not None})
+    return SamplingParams(**{name.replace("max_new_tokens", "max_tokens"): g[name] for name in GENERATION_DEFAULTS if g.get(name) is not None})
 
 
 # ---- KV pool size: 1 GiB on a CPU; on a GPU, what a profile run leaves ----
@@ -1957,13 +1975,14 @@ def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
     while k and decode(context[:k]).endswith("\ufffd"):
         k -= 1
     before, text = decode(context[:k]), decode(context + token_ids)
-    return text[len(before):] if text.startswith(before) else decode(token_ids)
+    # a character still cut at the end is not given out, as the stream does not give it (vLLM's text leaves it out)
+    return (text[len(before):] if text.startswith(before) else decode(token_ids)).rstrip("\ufffd")
 
 
 def finish_text(tokenizer, seq):
     """The output tokens not yet in the text, decoded in one call: to the text the stream would give (but
-    where byte fallback rewrites text the stream gave out, see stream_step), and a character still cut
-    at the end comes out as the replacement character, as a plain decode gives it. For a request whose
+    where byte fallback rewrites text the stream gave out, see stream_step); a character still cut at the
+    end is left out, as the stream leaves it (and vLLM's text). For a request whose
     text nobody reads before it ends (not text_each_step), that is every output token, decoded once."""
     if isinstance(seq.stop_reason, str):  # a stop string already cut the text where it ends
         return
@@ -2007,7 +2026,7 @@ def apply_penalties(logits, seqs, eos_token_ids):
     for row, seq in enumerate(seqs):
         p = seq.request.params
         if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
-            stops = p.stop_token_ids + ([] if p.ignore_eos else list(eos_token_ids))
+            stops = p.stop_token_ids + list(eos_token_ids)  # EOS too under ignore_eos, as vLLM's
             logits[row, stops] = -math.inf
         if p.logit_bias:
             logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)

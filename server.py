@@ -108,6 +108,8 @@ class ServerError(Exception):
         """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
         `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
         message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
+        if message.startswith("This model's maximum context length"):  # (a prompt longer than max_model_len: vLLM's words and param)
+            return cls(prefix + message, param="input_tokens")
         field = re.match(r"([a-z_.]+)(=| must | cannot | has token id | \S+ exceeds )", message)
         return cls(prefix + message, param=field and field.group(1))
 
@@ -537,10 +539,11 @@ Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
 Prompt = Annotated[str | list[int] | list[str] | list[list[int]], one_of("a string, a list of token ids, or a list of either (a batch)")]
 
 
-# Numbers may come as numeric strings ("max_tokens": "5"), as vLLM's lax pydantic models take them;
-# every other type is strict.
+# Numbers and booleans may come as strings ("max_tokens": "5", "stream": "false") and booleans as 0 / 1, as
+# vLLM's lax pydantic models take them; every other type is strict.
 Int = Annotated[int, Strict(False)]
 Float = Annotated[float, Strict(False)]
+Bool = Annotated[bool, Strict(False)]
 
 
 class Body(BaseModel):
@@ -557,16 +560,16 @@ class Sampling(Body):
     min_p: Float | None = None
     max_tokens: Int | None = None
     stop: Stop | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool | None = None
     seed: Int | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
     logit_bias: dict[int, float] | None = None  # JSON keys are strings: {"50256": -100}
     min_tokens: Int | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
     prompt_logprobs: Int | None = None
 
     def sampling_params(self, defaults=None, **fields):
@@ -584,15 +587,15 @@ class Sampling(Body):
 class Generate(Sampling):
     model_config = ConfigDict(extra="forbid")
     prompt: str
-    stream: bool | None = None
+    stream: Bool | None = None
     logprobs: Int | None = None
-    use_beam_search: bool = False
+    use_beam_search: Bool = False
     length_penalty: float | None = None  # beam search: a finished beam scores cum_logprob / length ** length_penalty
 
 
 class StreamOptions(Body):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # with include_usage: the usage so far on every chunk too (vLLM's)
+    include_usage: Bool | None = None
+    continuous_usage_stats: Bool | None = None  # with include_usage: the usage so far on every chunk too (vLLM's)
 
     @staticmethod
     def usage(body):
@@ -603,19 +606,20 @@ class StreamOptions(Body):
 
 class OpenAI(Sampling):
     model: str | None = None  # None: the served model
-    stream: bool | None = None  # None (null or absent) is false here and below: some clients send every field
+    request_id: str | None = None  # the response's id (after cmpl- or chatcmpl-) unless an X-Request-Id header gives one; None: random
+    stream: Bool | None = None  # None (null or absent) is false here and below: some clients send every field
     stream_options: StreamOptions | None = None
-    use_beam_search: bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
+    use_beam_search: Bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
     length_penalty: float | None = None
     # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
     allowed_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
     bad_words: list[str] | None = None
     logprob_token_ids: list[int] | None = None
     truncate_prompt_tokens: Int | None = None
-    add_special_tokens: bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
-    spaces_between_special_tokens: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
+    add_special_tokens: Bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
+    spaces_between_special_tokens: Bool | None = None
+    return_tokens_as_token_ids: Bool | None = None
+    return_token_ids: Bool | None = None
     priority: Int | None = None
     # structured outputs: checked by structured_outputs_from_request (one constraint; its ValueError is a 400)
     response_format: Any = None
@@ -628,7 +632,7 @@ class OpenAI(Sampling):
 
 class Completion(OpenAI):
     prompt: Prompt | None = None  # optional to pydantic, as in vLLM: its absence is a BadRequestError naming it
-    echo: bool | None = None
+    echo: Bool | None = None
     logprobs: Int | None = None
     suffix: Any = None
     best_of: Int | None = None  # taken and ignored, as vLLM 0.32 does (no best-of ranking: n samples come back)
@@ -652,8 +656,8 @@ class ChatTemplate(Body):
     """vLLM's chat-template options, on chat completions and /tokenize: passed to LLM.chat_prompt (chat_template,
     a client's own Jinja, is refused: see UNSUPPORTED_FIELDS)."""
 
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
+    add_generation_prompt: Bool | None = None
+    continue_final_message: Bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
@@ -665,21 +669,22 @@ class ChatTemplate(Body):
 
 class Chat(OpenAI, ChatTemplate):
     messages: list[Message] = Field(min_length=1)
-    logprobs: bool | None = None
+    logprobs: Bool | None = None
     top_logprobs: Int | None = None
     max_completion_tokens: Int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    echo: bool | None = None  # vLLM's chat extra (continue the last message's role): not implemented
+    echo: Bool | None = None  # vLLM's chat extra (continue the last message's role): not implemented
 
 
 class Tokenize(ChatTemplate):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None  # tokenized as the chat template renders them
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = None  # also each token's string, as the tokenizer's vocabulary has it
 
 
 class Detokenize(Body):
@@ -715,6 +720,8 @@ def reject_unsupported(body):
             raise ServerError(f"'{name}' is not supported: {why}", param=name)
     if (options := getattr(body, "stream_options", None)) and options.model_fields_set and not body.stream:  # vLLM's 400 ({} passes)
         raise ServerError("'stream_options' is only allowed with stream: true", param="stream_options")
+    if isinstance(body, OpenAI) and body.stream and body.prompt_logprobs:  # vLLM's 400 (0 passes): a stream has no place for them
+        raise ServerError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     return body
 
 
@@ -824,15 +831,16 @@ def generate_logprobs(entries, k):
     return [{**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries]
 
 
-def completion_logprobs(entries, offset, first_token=""):
-    """OpenAI legacy completions logprobs. An entry of None (the first prompt token under echo: it has
+def completion_logprobs(entries, offset, k, first_token=""):
+    """OpenAI legacy completions logprobs: per token the chosen one and the k best (at most k + 1: an echoed prompt's
+    entries may hold more, as prompt_logprobs asked). An entry of None (the first prompt token under echo: it has
     no logprob) gives nulls, and first_token is its text. offset: where the first token starts in the text."""
     tokens = [first_token if e is None else sampled_logprob(e)[1].decoded_token for e in entries]
     offsets = list(itertools.accumulate(map(len, tokens), initial=offset))
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else sampled_logprob(e)[1].logprob for e in entries],
-        "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],  # as vLLM: the k best and the chosen one
+        "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in itertools.islice(e.values(), k + 1)} for e in entries],
         "text_offset": offsets[:-1],
     }
 
@@ -923,6 +931,7 @@ class OpenAIFormat:
         self.text_offsets = {}  # completions logprobs: choice -> chars sent so far
         self.finished = {}  # prompt index -> its final output (stream)
         self.sent_roles = False
+        self.role = "assistant"  # chat: the reply's role
 
     def envelope(self, choices, chunk):
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -950,7 +959,7 @@ class OpenAIFormat:
         if self.chat:
             return chat_logprobs(entries, self.params.logprobs)
         offset = self.text_offsets.get(key, 0)
-        result = completion_logprobs(entries, offset, self.echo[index][1] if self.echo is not None else "")
+        result = completion_logprobs(entries, offset, self.params.logprobs, self.echo[index][1] if self.echo is not None else "")
         self.text_offsets[key] = offset + sum(len(t) for t in result["tokens"])
         return result
 
@@ -960,7 +969,7 @@ class OpenAIFormat:
             for c in out.outputs:
                 key = index * self.params.n + c.index
                 text, entries, finish_reason = self.parts(index, out, c, c.text)
-                content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+                content = {"message": {"role": self.role, "content": text}} if self.chat else {"text": text}
                 choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": c.stop_reason}
                 if self.prompt_logprobs and not self.chat:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
@@ -974,7 +983,7 @@ class OpenAIFormat:
         events = []
         if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
             self.sent_roles = True
-            events += [{**self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], True),
+            events += [{**self.envelope([{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}], True),
                         **self.usage_so_far(out, 0)} for i in range(self.params.n)]
         for c in out.outputs:
             key = index * self.params.n + c.index
@@ -1092,8 +1101,20 @@ async def bug(request, e):  # uvicorn logs the traceback; the client gets no int
     return JSONResponse(ServerError(INTERNAL_ERROR, 500).body(), 500)
 
 
+def check_max_tokens(server, params, name="max_tokens"):
+    """vLLM's server refuses a max_tokens that no output could reach (its LLM, and nanobatch's, run to the context's end)."""
+    if params.max_tokens is not None and params.max_tokens > server.max_model_len:
+        raise ServerError(f"{name}={params.max_tokens} cannot be greater than max_model_len={server.max_model_len}. Please request fewer output tokens.", param=name)
+    return params
+
+
+def client_request_id(request, body):
+    """vLLM's: the X-Request-Id header, else the body's request_id, else 16 random hex digits."""
+    return request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex[:16]
+
+
 def check_model(server, body):
-    if body.model is not None and body.model != server.model_name:
+    if body.model and body.model != server.model_name:  # (None or "": the served model)
         # vLLM's words, and the name that would do
         raise ServerError(f"The model `{body.model}` does not exist. Valid aliases: {server.model_name}.", 404, "model")
     return body
@@ -1164,7 +1185,7 @@ async def generate(request: Request):
     body = reject_unsupported(await read_json(request, Generate))
     # vLLM's /generate makes SamplingParams(**body): no generation-config defaults, and "max_tokens": null is up to max_model_len
     unbounded = {"max_tokens": None} if body.max_tokens is None and "max_tokens" in body.model_fields_set else {}
-    params = body.sampling_params(logprobs=body.logprobs, **unbounded)
+    params = check_max_tokens(request.app.state.server, body.sampling_params(logprobs=body.logprobs, **unbounded))
     sub = Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params, beam=beam_search_params(body, params))
     return await respond(request, sub, GenerateFormat(params), bool(body.stream))
 
@@ -1179,15 +1200,15 @@ async def completions(request: Request):
     prompts = [body.prompt] if one else body.prompt
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
     k = body.logprobs
-    prompt_k = max(k, body.prompt_logprobs or 0) if body.echo and k is not None else body.prompt_logprobs
+    prompt_k = k if body.echo and body.prompt_logprobs is None else body.prompt_logprobs  # (echo shows the first k + 1 of each)
     # "max_tokens": null is 16, as absent (vLLM 0.32's); beams take no sampling settings, the config's neither
     defaults = {} if body.use_beam_search else server.sampling_defaults
-    params = body.sampling_params(defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {}))
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    params = check_max_tokens(server, body.sampling_params(defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {})))
+    request_id = f"cmpl-{client_request_id(request, body)}"
     with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
     fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), StreamOptions.usage(body), bool(body.echo), prompt_only, with_prompt_logprobs)
     beam = beam_search_params(body, params, server.sampling_defaults.get("temperature"))
-    sub = Submission([f"{request_id}-{i}" for i in range(len(prompts))], prompts, params, beam=beam)
+    sub = Submission([f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))], prompts, params, beam=beam)
     return await respond(request, sub, fmt, bool(body.stream))
 
 
@@ -1195,16 +1216,19 @@ async def completions(request: Request):
 async def chat(request: Request):
     server = request.app.state.server
     body = reject_unsupported(check_model(server, await read_json(request, Chat)))
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ServerError("'top_logprobs' needs 'logprobs': true")
+    if body.top_logprobs and not body.logprobs:  # (0 is taken without it, as vLLM's)
+        raise ServerError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:  # (the engine's message would name its field, logprobs)
         raise ServerError(f"top_logprobs must be an integer from 0 to 20, got {body.top_logprobs}", param="top_logprobs")
     # None: the generation config's max_new_tokens, else up to max_model_len (vLLM's)
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens, server.default_max_tokens) if m is not None), None)
     params = body.sampling_params(server.sampling_defaults, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    check_max_tokens(server, params, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    request_id = f"chatcmpl-{client_request_id(request, body)}"
     fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
-    sub = Submission([request_id], [[m.for_template() for m in body.messages]], params, chat=body.template())
+    if body.add_generation_prompt is False:  # the reply continues the last message: vLLM gives it that message's role
+        fmt.role = body.messages[-1].role
+    sub = Submission([f"{request_id}-{uuid.uuid4().hex[:8]}"], [[m.for_template() for m in body.messages]], params, chat=body.template())
     return await respond(request, sub, fmt, bool(body.stream))
 
 
@@ -1221,7 +1245,8 @@ async def tokenize(request: Request):
         return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     token_ids = await ask(server.engine, encode)
-    return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": None}
+    token_strs = await ask(server.engine, lambda llm: llm.tokenizer.convert_ids_to_tokens(token_ids)) if body.return_token_strs else None
+    return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": token_strs}
 
 
 @routes.post("/detokenize")

@@ -1952,7 +1952,7 @@ def test_tp_without_tp_py_names_the_missing_file(monkeypatch):
         ("logit_bias", [1, 2], "SamplingParams.logit_bias"),
         ("ignore_eos", "yes", "SamplingParams.ignore_eos"),
         ("seed", 1.5, "SamplingParams.seed"),
-        ("seed", -1, "SamplingParams.seed"),
+        ("seed", -2, "SamplingParams.seed"),
         ("temperature", float("inf"), "SamplingParams.temperature"),
         ("top_k", 2**40, "SamplingParams.top_k"),
         ("logprobs", 100, "SamplingParams.logprobs"),
@@ -2007,15 +2007,14 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
     good = SamplingParams(max_tokens=4, **GREEDY)
     expected = llm.generate(["hello there"], good, use_tqdm=False)[0].outputs[0].token_ids
     cases = [
-        (lambda: llm.generate([], good), "no prompts"),
+        (lambda: llm.generate(None, good), "no prompts"),
         (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
-        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: prompt has 5000 tokens, but max_model_len is 1024"),
+        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: This model's maximum context length is 1024 tokens. However, your prompt contains 5000 input tokens"),
         (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
         (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
         (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
         (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=1000)), "KV blocks"),  # 768 slots in the pool
-        (lambda: llm.generate(["a"], SamplingParams(max_tokens=100_000)), "max_tokens=100000 cannot be greater than max_model_len=1024"),  # vLLM's words
         (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
         (lambda: llm.add_request("x", BeamSearchParams(beam_width=1000, max_tokens=2)), "BeamSearchParams.beam_width 1000 exceeds max_num_seqs"),
         (lambda: llm.add_request("x", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias has token id 1000000, outside the vocabulary"),
@@ -2054,13 +2053,56 @@ def test_generation_config_sampling_settings_are_the_default_params(tiny_models,
     sampling settings, and generate() without params uses them."""
     folder = tmp_path / "tiny"
     shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "do_sample": True}))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "do_sample": True,
+                                                               "presence_penalty": 0.5, "frequency_penalty": 0.25}))
     llm = LLM(model=str(folder), num_kv_blocks=8, **CPU)
     p = llm.get_default_sampling_params()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_p) == (0.0, 0.9, 20, 3, SamplingParams.min_p)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.0, 0.0)  # as vLLM: transformers' GenerationConfig, which it reads them through, drops them
     greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids == greedy  # greedy, 3 tokens at most: the folder's settings
     assert LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, **CPU).get_default_sampling_params() == SamplingParams()
+
+
+def test_chat_prompt_and_seeds_as_vllm_032(default_tokenizer):
+    """As vLLM's renderer: a "developer" message is a system one where the template knows no developer role (system
+    messages then merge into one at the front, joined by a blank line); a template in chat_template_kwargs is refused.
+    SamplingParams(seed=-1) is no seed, as vLLM's."""
+    system = nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi"}])
+    developer = nanobatch.chat_prompt(default_tokenizer, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    merged = nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
+                                                       {"role": "user", "content": "hi"}])
+    assert "developer" not in developer["prompt"] and merged == system
+    assert developer == nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    knows = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{# 'developer' #}"
+    assert nanobatch.chat_prompt(default_tokenizer, [{"role": "developer", "content": "x"}], chat_template=knows)["prompt"] == "developer: x\n"
+    with pytest.raises(ValueError, match="unexpected chat template kwargs"):
+        nanobatch.chat_prompt(default_tokenizer, [{"role": "user", "content": "hi"}], chat_template_kwargs={"chat_template": "{{ 1 }}"})
+    assert SamplingParams(seed=-1).seed is None
+
+
+def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
+    """vLLM 0.32's LLM: generate([]) is []; a tuple of params is taken; max_tokens past max_model_len runs to the context's
+    end ("length"; its server refuses it); the tokenizer's EOS ends an output with no stop_reason even when it is in
+    stop_token_ids (vLLM checks it first); min_tokens holds EOS back under ignore_eos too; chat options named as
+    arguments win over chat_template_kwargs; an output that ends inside a character leaves the cut bytes out."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=40, num_kv_blocks=8, **CPU)
+    eos = llm.tokenizer.eos_token_id
+    assert llm.generate([], SamplingParams()) == []
+    a, b = llm.generate([[5, 6], [7, 8]], (SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)), use_tqdm=False)
+    assert (len(a.outputs[0].token_ids), len(b.outputs[0].token_ids)) == (2, 3)
+    out = llm.generate([[5] * 30], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (10, "length")
+    forced = dict(temperature=0, logit_bias={eos: 100.0})
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop_token_ids=[eos], **forced), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=5, min_tokens=3, ignore_eos=True, **forced), use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos, eos]
+    chat = [{"role": "user", "content": "hi"}]
+    assert llm.chat_prompt(chat, chat_template_kwargs={"add_generation_prompt": False}) == llm.chat_prompt(chat)
+    assert llm.chat_prompt(chat, add_generation_prompt=False) != llm.chat_prompt(chat)
+    robot = default_tokenizer.encode("🤖", add_special_tokens=False)
+    assert len(robot) > 1 and nanobatch.decode_after(default_tokenizer, default_tokenizer.encode("Hi", add_special_tokens=False), robot[:-1]) == ""
 
 
 def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
@@ -3344,13 +3386,13 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
 
 
 def test_chat_template_options_reach_the_template(server):
-    """As vLLM's: chat_template_kwargs (the template's variables; they may set the options too), add_generation_prompt,
-    continue_final_message, on chat completions and /tokenize alike."""
+    """As vLLM's: chat_template_kwargs (the template's variables; an option they set yields to the request's own, which
+    has its default), add_generation_prompt, continue_final_message, on chat completions and /tokenize alike."""
     messages = [*CHAT, {"role": "assistant", "content": "The capital"}]
     count = lambda **options: post(server, "/tokenize", {"messages": messages, **options})[1]["count"]  # noqa: E731
     plain, no_prompt, go_on = count(), count(add_generation_prompt=False), count(add_generation_prompt=False, continue_final_message=True)
     assert plain > no_prompt > go_on  # the generation prompt, then the end of the last message, left out
-    assert count(chat_template_kwargs={"add_generation_prompt": False}) == no_prompt
+    assert count(chat_template_kwargs={"add_generation_prompt": False}) == plain  # vLLM's merge_kwargs: add_generation_prompt's true wins
     for options, tokens in (({}, plain), ({"add_generation_prompt": False, "continue_final_message": True}, go_on)):
         status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **options})
         assert status == 200 and body["usage"]["prompt_tokens"] == tokens
@@ -3359,6 +3401,46 @@ def test_chat_template_options_reach_the_template(server):
     assert post(server, "/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"})[0] == 400
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]  # joined as vLLM's: by newlines
     assert post(server, "/tokenize", {"messages": parts})[1]["tokens"] == post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi\nthere"}]})[1]["tokens"]
+
+
+def test_requests_read_as_vllm_032_reads_them(server):
+    """Details as vLLM 0.32's OpenAI server has them: lax booleans; "model": "" is the served model; top_logprobs 0 needs no
+    logprobs; a stream cannot carry prompt logprobs (a 400, not dropped); max_completion_tokens is named in its error; the
+    response's id is the X-Request-Id header's or the body's request_id; a reply that continues the last message takes its
+    role; /tokenize's return_token_strs; echo shows each prompt token's first logprobs + 1 entries; a chat template in
+    chat_template_kwargs is refused; a prompt over max_model_len gets vLLM's context-window words."""
+    prompt = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    assert post(server, "/v1/completions", {**prompt, "echo": "false", "ignore_eos": 1, "stream": "false"})[0] == 200
+    assert post(server, "/v1/completions", {**prompt, "model": ""})[0] == 200
+    assert post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 0})[0] == 200
+    for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", {"messages": CHAT})):
+        status, answer = post(server, path, {**body, "stream": True, "prompt_logprobs": 1})
+        assert status == 400 and answer["error"]["param"] == "prompt_logprobs"
+    status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10 ** 6})
+    assert status == 400 and answer["error"]["param"] == "max_completion_tokens" and answer["error"]["message"].startswith("max_completion_tokens=1000000 cannot")
+    assert post(server, "/v1/completions", {**prompt, "request_id": "mine"})[1]["id"] == "cmpl-mine"
+    conn = connect(server)
+    for _ in range(2):  # the same id twice: the engine's own ids stay apart
+        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 1}), {"Content-Type": "application/json", "X-Request-Id": "abc"})
+        assert json.loads(conn.getresponse().read())["id"] == "chatcmpl-abc"
+    conn.close()
+    turn = [*CHAT, {"role": "assistant", "content": "The capital"}]
+    answer = post(server, "/v1/chat/completions", {"messages": turn, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True})[1]
+    assert answer["choices"][0]["message"]["role"] == "assistant" and post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})[1]["choices"][0]["message"]["role"] == "assistant"
+    answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on:"}], "max_tokens": 1, "add_generation_prompt": False})[1]
+    assert answer["choices"][0]["message"]["role"] == "user"
+    answer = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})[1]
+    assert answer["token_strs"] == server.engine.call(lambda llm: llm.tokenizer.convert_ids_to_tokens(answer["tokens"]))
+    for logprobs, prompt_logprobs in ((1, 5), (5, 1)):
+        answer = post(server, "/v1/completions", {**prompt, "echo": True, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})[1]
+        [choice] = answer["choices"]
+        assert all(len(top) <= logprobs + 1 for top in choice["logprobs"]["top_logprobs"] if top is not None)
+        assert all(len(entry) <= prompt_logprobs + 1 for entry in choice["prompt_logprobs"] if entry is not None)
+    status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    assert status == 400 and "unexpected chat template kwargs" in answer["error"]["message"]
+    assert post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})[0] == 400
+    status, answer = post(server, "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1})
+    assert status == 400 and answer["error"]["param"] == "input_tokens" and answer["error"]["message"].startswith("This model's maximum context length is 512 tokens.")
 
 
 def test_vllms_extras_at_their_defaults_are_served(server):
@@ -3672,9 +3754,9 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"max_tokens": 4}, "'prompt' is required"),
     ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
     ("/generate", {"prompt": ""}, "prompt is empty"),
-    ("/generate", {"prompt": TOO_LONG}, "max_model_len"),
+    ("/generate", {"prompt": TOO_LONG}, "maximum context length is 512"),
     ("/generate", {"prompt": "hi", "max_tokens": "ten"}, "'max_tokens': Input should be a valid integer"),  # "10" is taken, as vLLM
-    ("/generate", {"prompt": "hi", "stream": "yes"}, "'stream': Input should be a valid boolean"),
+    ("/generate", {"prompt": "hi", "stream": "maybe"}, "'stream': Input should be a valid boolean"),  # "yes", "false", 1 are taken, as vLLM
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/generate", {"prompt": "hi", "n": 0}, "n must be"),
@@ -3685,7 +3767,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": "hi", "best_of": 2}, "unknown field(s) ['best_of']"),
     ("/v1/completions", {"max_tokens": 3}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
-    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "max_model_len"),
+    ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "maximum context length is 512"),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
@@ -3694,8 +3776,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs'"),
-    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options.include_usage'"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": [1]}}, "'stream_options.include_usage'"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream_options' is only allowed with stream: true"),
     ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
 ]
