@@ -2129,9 +2129,13 @@ def logprob_entry(llm, lists, row, token_id, k):
 
 
 def token_text(llm, token_id):
-    text = llm.token_texts.get(token_id)  # each token id is decoded once, not once per step
+    """A token's text as it reads inside a text, decoded once per token id: after a plain token, so that a
+    SentencePiece word keeps the leading space its decoder strips at the start of a text (" is", as vLLM's)."""
+    text = llm.token_texts.get(token_id)
     if text is None:
-        text = llm.token_texts[token_id] = llm.tokenizer.decode([token_id])
+        anchor = llm.tokenizer.encode("a", add_special_tokens=False)[:1]
+        decode = lambda ids: llm.tokenizer.decode(ids, clean_up_tokenization_spaces=False)  # noqa: E731
+        text = llm.token_texts[token_id] = decode(anchor + [token_id])[len(decode(anchor)):]
     return text
 
 

@@ -374,14 +374,16 @@ def sentencepiece_tokenizer():
 
 def test_a_sentencepiece_output_keeps_its_leading_space(tmp_path):
     """The output's text reads as it does after the prompt (vLLM's " Paris", not "Paris"), streamed or
-    decoded once at the end, sampled or from beam search: prompt text + output text = the decode of both."""
+    decoded once at the end, sampled or from beam search: prompt text + output text = the decode of both;
+    its logprobs' decoded tokens keep their leading space too."""
     tokenizer = sentencepiece_tokenizer()
     make_tiny_model(str(tmp_path), "llama-gqa-untied", tokenizer)
     llm = LLM(model=str(tmp_path), num_kv_blocks=16, **CPU)
     prompt, word = "The capital of France", tokenizer.convert_tokens_to_ids("\u2581is")
     for kind in ("cumulative", "final_only"):
-        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logit_bias={word: 100}, output_kind=kind), use_tqdm=False)[0].outputs[0]
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logit_bias={word: 100}, output_kind=kind, logprobs=1), use_tqdm=False)[0].outputs[0]
         assert out.token_ids[0] == word and out.text.startswith(" is"), (kind, out.text)
+        assert out.logprobs[0][word].decoded_token == " is"  # a logprob's token reads as in the text, as vLLM's
         assert prompt + out.text == tokenizer.decode(tokenizer.encode(prompt) + out.token_ids)
     beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0].sequences
     assert all(prompt + b.text == tokenizer.decode(b.tokens, skip_special_tokens=True) for b in beams)
