@@ -118,7 +118,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens, stop strings not before one more (a grammar still can)
+    min_tokens: int = 0  # no EOS / stop_token_ids end before this many tokens (unless a grammar allows nothing else), no stop string before one more
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS included) that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
@@ -1062,7 +1062,7 @@ class LLM:
         # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
         generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
         seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
-        seq.matcher = self.structured_outputs.new_matcher(request.params.structured_outputs)  # a fork starts before its first token: a fresh one
+        seq.matcher = self.structured_outputs.new_matcher(request.params)  # a fork starts before its first token: a fresh one
         request.seqs.append(seq)
         return seq
 
@@ -1119,8 +1119,8 @@ class LLM:
         seqs, logits = self._fork_samples(seqs, logits)  # 6. n > 1: a prefilled prompt forks into its samples
         sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
         logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
-        raw = logits.clone() if sb.max_logprobs is not None else logits  # process_logits edits in place; logprobs are the model's own, as vLLM's
-        token_ids = sample(process_logits(logits, seqs, self.eos_token_ids), sb, self.generator)  # 7. hook, then sample
+        raw, logits = process_logits(logits, seqs, self.eos_token_ids, keep_raw=sb.max_logprobs is not None)  # 7. hook: raw for logprobs
+        token_ids = sample(logits, sb, self.generator)
         logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
         return outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 8. append, check stops, outputs
 
@@ -1201,8 +1201,9 @@ class LLM:
         stop_token = num_output >= params.min_tokens and (eos or token_id in params.stop_token_ids)
         if stop_token or grammar_terminated(seq):
             seq.finish_reason = "stop"
-            if stop_token and not (eos and token_id == self.tokenizer.eos_token_id):  # vLLM checks the tokenizer's EOS first: no stop_reason;
-                seq.stop_reason = token_id  # other stop tokens (generation_config's other EOS ids too) are the stop_reason
+            # vLLM checks the tokenizer's EOS first (no stop_reason); any other stop token, generation_config's EOS ids too, is the stop_reason
+            if stop_token and not (eos and token_id == self.tokenizer.eos_token_id):
+                seq.stop_reason = token_id
         num_chars = len(seq.text)
         if params.text_each_step and (seq.finish_reason is None or params.include_stop_str_in_output):
             detokenize(self.tokenizer, seq, token_id)
@@ -1497,10 +1498,11 @@ def chat_prompt(tokenizer, messages, chat_template=None, add_generation_prompt=T
     if unexpected := {"chat_template", "tokenize"} & (chat_template_kwargs or {}).keys():  # vLLM's error (a template goes in chat_template)
         raise ValueError(f"Found unexpected chat template kwargs from request: {sorted(unexpected)}")
     messages = [{**m, "content": text_of_parts(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
-    template = chat_template or tokenizer.chat_template or ""
+    template = str(chat_template or tokenizer.chat_template or "")  # (str: a tokenizer may hold a dict of named templates)
     if any(m.get("role") == "developer" for m in messages) and '"developer"' not in template and "'developer'" not in template:
         messages = developer_as_system(messages)
-    # as vLLM's merge_kwargs: the options named above win over chat_template_kwargs, but where they are None
+    # as vLLM's merge_kwargs: the options named above win over chat_template_kwargs (so these cannot set add_generation_prompt
+    # or continue_final_message, which have defaults; documents, where not given)
     named = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message, "documents": documents}
     options = {**(chat_template_kwargs or {}), **{k: v for k, v in named.items() if v is not None}, "chat_template": chat_template, "tokenize": False}
     try:
@@ -1664,9 +1666,9 @@ def scale_rope(inv_freq, s):
 
 # ---- Generation config: EOS ids and default sampling settings ----
 
-# generation_config.json's sampling settings that vLLM takes (transformers' GenerationConfig has no presence or frequency
-# penalty), in SamplingParams' names but max_new_tokens (max_tokens)
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+# generation_config.json's sampling settings that vLLM 0.32 takes, in SamplingParams' names (and max_new_tokens, SamplingParams'
+# max_tokens); it reads the file through transformers' GenerationConfig, which drops presence_penalty and frequency_penalty
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def read_generation_config(path):
@@ -1688,7 +1690,10 @@ def eos_token_ids(tokenizer, hf_config, generation_config):
 def default_sampling_params(generation_config):
     """As vLLM's generation_config "auto": SamplingParams() with the model's own sampling settings where it has them."""
     g = generation_config
-    return SamplingParams(**{name.replace("max_new_tokens", "max_tokens"): g[name] for name in GENERATION_DEFAULTS if g.get(name) is not None})
+    settings = {name: g[name] for name in GENERATION_DEFAULTS if g.get(name) is not None}
+    if g.get("max_new_tokens") is not None:
+        settings["max_tokens"] = g["max_new_tokens"]
+    return SamplingParams(**settings)
 
 
 # ---- KV pool size: 1 GiB on a CPU; on a GPU, what a profile run leaves ----
@@ -1975,14 +1980,13 @@ def decode_after(tokenizer, context, token_ids, skip_special_tokens=True):
     while k and decode(context[:k]).endswith("\ufffd"):
         k -= 1
     before, text = decode(context[:k]), decode(context + token_ids)
-    # a character still cut at the end is not given out, as the stream does not give it (vLLM's text leaves it out)
-    return (text[len(before):] if text.startswith(before) else decode(token_ids)).rstrip("\ufffd")
+    return text[len(before):] if text.startswith(before) else decode(token_ids)
 
 
 def finish_text(tokenizer, seq):
     """The output tokens not yet in the text, decoded in one call: to the text the stream would give (but
-    where byte fallback rewrites text the stream gave out, see stream_step); a character still cut at the
-    end is left out, as the stream leaves it (and vLLM's text). For a request whose
+    where byte fallback rewrites text the stream gave out, see stream_step), less any replacement character
+    at the end, which vLLM's text leaves out (a character cut by the last token). For a request whose
     text nobody reads before it ends (not text_each_step), that is every output token, decoded once."""
     if isinstance(seq.stop_reason, str):  # a stop string already cut the text where it ends
         return
@@ -1992,7 +1996,8 @@ def finish_text(tokenizer, seq):
         first = len(seq.token_ids) - seq.num_output_tokens  # the prompt's length
         start = first + seq.num_detokenized  # the first token not in the text
         context = prompt_tail(tokenizer, seq.request.prompt_token_ids) if start == first else seq.token_ids[max(0, start - CONTEXT_TOKENS) : start]
-        seq.text += decode_after(tokenizer, context, seq.token_ids[start : first + upto], seq.request.params.skip_special_tokens)
+        text = decode_after(tokenizer, context, seq.token_ids[start : first + upto], seq.request.params.skip_special_tokens)
+        seq.text += text.rstrip("\ufffd")  # a replacement character at the end (a cut character): vLLM's stream never gave it out
         seq.num_detokenized = upto
 
 
@@ -2010,12 +2015,15 @@ def truncate_at_stop_string(seq, num_chars_before):
 # ---- Logits processors ----
 
 
-def process_logits(logits, seqs, eos_token_ids):
+def process_logits(logits, seqs, eos_token_ids, keep_raw):
     """The step's logits processors, in place, before sampling: grammar masks (Structured outputs),
     then min_tokens, logit_bias and the repetition / frequency / presence penalties (vLLM's order).
-    Rows whose request asks for none of them cost nothing. logits (S, vocab), row i for seqs[i]."""
+    Rows whose request asks for none of them cost nothing. logits (S, vocab), row i for seqs[i].
+    Returns (the logits logprobs are taken from, the processed logits): with keep_raw, a copy after
+    the grammar masks and before the rest (vLLM masks in its model runner, before its sampler)."""
     apply_grammar_masks(logits, seqs)
-    return apply_penalties(logits, seqs, eos_token_ids)
+    raw = logits.clone() if keep_raw else None
+    return raw, apply_penalties(logits, seqs, eos_token_ids)
 
 
 
@@ -2025,9 +2033,12 @@ def apply_penalties(logits, seqs, eos_token_ids):
     penalized = []
     for row, seq in enumerate(seqs):
         p = seq.request.params
-        if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.matcher is None:  # nothing may end it yet (a grammar decides for itself)
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:  # nothing may end it yet, unless a grammar allows nothing else (vLLM's)
             stops = p.stop_token_ids + list(eos_token_ids)  # EOS too under ignore_eos, as vLLM's
+            held = logits[row, stops]  # (a copy: indexing by a list)
             logits[row, stops] = -math.inf
+            if seq.matcher is not None and not torch.isfinite(logits[row]).any():
+                logits[row, stops] = held
         if p.logit_bias:
             logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         if p.has_penalties:
@@ -2080,7 +2091,8 @@ def compute_logprobs(logits, token_ids, num_top):
 def track_token(llm, seq, row, token_id, logprobs):
     """What a sampled token updates besides the token list: the grammar's state, the penalty counts,
     and the sampled token's logprobs (row `row` of compute_logprobs' lists)."""
-    advance_grammar(seq, token_id)
+    if not advance_grammar(seq, token_id):  # a grammar's dead end: the token is dropped, the request ends
+        return
     if seq.output_counts is not None:  # penalties: counts kept incrementally
         seq.output_counts[token_id] += 1
     k = seq.request.params.logprobs
@@ -2219,7 +2231,8 @@ class StructuredOutputManager:
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
             self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # the cache above is the one
         # JSON comes out on one line (", " and ": " separators): given free whitespace, a small model can
-        # loop on newlines and tabs until max_tokens (SmolLM2-135M does); vLLM's disable_any_whitespace
+        # loop on newlines and tabs until max_tokens (SmolLM2-135M does); vLLM's disable_any_whitespace is
+        # the same idea with "," and ":", on which SmolLM2-135M loops too (an object inside an object ...)
         compile = {"json": lambda t: self.compiler.compile_json_schema(t, any_whitespace=False),
                    "regex": self.compiler.compile_regex, "grammar": self.compiler.compile_grammar}[kind]
         try:
@@ -2232,12 +2245,15 @@ class StructuredOutputManager:
             raise ValueError(f"structured_outputs.{name} allows no output: no token can start it")
         return grammar
 
-    def new_matcher(self, params: StructuredOutputsParams | None):
-        if params is None:
+    def new_matcher(self, params: SamplingParams):
+        """A sequence's matcher, or None; its stop tokens are EOS and the request's stop_token_ids (vLLM's): the
+        grammar allows them where it can end."""
+        if params.structured_outputs is None:
             return None
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self.compile(params))
+        stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        return xgrammar.GrammarMatcher(self.compile(params.structured_outputs), override_stop_tokens=stops)
 
 
 def apply_grammar_masks(logits, seqs):
@@ -2257,10 +2273,14 @@ def apply_grammar_masks(logits, seqs):
 
 
 def advance_grammar(seq, token_id):
-    # the mask allowed only tokens the grammar accepts, but a grammar can reach a dead end where it allows
-    # none (apply_grammar_masks leaves that row unmasked): its request alone ends there, "abort", as vLLM's
-    if seq.matcher is not None and not seq.matcher.accept_token(token_id):
-        seq.finish_reason = "abort"
+    """False where the grammar refuses the token. The mask allowed only tokens it accepts, but a grammar can reach
+    a dead end where it allows none (apply_grammar_masks leaves that row unmasked): its request alone ends there,
+    "abort" (vLLM's: "error"), without the token, which the grammar does not allow."""
+    if seq.matcher is None or seq.matcher.accept_token(token_id):
+        return True
+    seq.token_ids.pop()
+    seq.finish_reason = "abort"
+    return False
 
 
 def grammar_terminated(seq):

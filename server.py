@@ -742,11 +742,12 @@ def beam_search_params(body, params, default_temperature=None):
     taken += [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(body, name, None) is not None]
     if taken:
         raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
+    temperature = next((t for t in (body.temperature, default_temperature) if t is not None), 0.0)
     if params.max_tokens is None:  # ("max_tokens": null)
         raise ServerError("use_beam_search needs max_tokens as a number (null, up to max_model_len, is not served with beams)", param="max_tokens")
     try:
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                                temperature=next((t for t in (body.temperature, default_temperature) if t is not None), 0.0), length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+                                temperature=temperature, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
     except ValueError as e:
         raise ServerError.invalid(e) from None
 
@@ -812,6 +813,11 @@ def usage_counts(outs):
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
 
+def finite(logprob):
+    """A logprob as JSON can carry it: a token the grammar forbade has -inf, sent as -9999.0, as vLLM does."""
+    return max(logprob, -9999.0)
+
+
 def sampled_logprob(entry):
     """(token id, Logprob) of the sampled (or prompt) token: the engine puts it first."""
     return next(iter(entry.items()))
@@ -826,7 +832,7 @@ def generate_logprobs(entries, k):
     """/generate: per token {token_id, token, logprob, rank, top_logprobs: [the k best]}."""
 
     def item(token_id, lp):
-        return {"token_id": token_id, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+        return {"token_id": token_id, "token": lp.decoded_token, "logprob": finite(lp.logprob), "rank": lp.rank}
 
     return [{**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries]
 
@@ -839,8 +845,8 @@ def completion_logprobs(entries, offset, k, first_token=""):
     offsets = list(itertools.accumulate(map(len, tokens), initial=offset))
     return {
         "tokens": tokens,
-        "token_logprobs": [None if e is None else sampled_logprob(e)[1].logprob for e in entries],
-        "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in itertools.islice(e.values(), k + 1)} for e in entries],
+        "token_logprobs": [None if e is None else finite(sampled_logprob(e)[1].logprob) for e in entries],
+        "top_logprobs": [None if e is None else {lp.decoded_token: finite(lp.logprob) for lp in itertools.islice(e.values(), k + 1)} for e in entries],
         "text_offset": offsets[:-1],
     }
 
@@ -849,7 +855,7 @@ def chat_logprobs(entries, k):
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [the k best]}]}."""
 
     def item(lp):
-        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode("utf-8"))}
+        return {"token": lp.decoded_token, "logprob": finite(lp.logprob), "bytes": list(lp.decoded_token.encode("utf-8"))}
 
     return {"content": [{**item(sampled_logprob(e)[1]), "top_logprobs": [item(lp) for _, lp in best_logprobs(e, k)]} for e in entries]}
 
@@ -1201,7 +1207,7 @@ async def completions(request: Request):
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
     k = body.logprobs
     prompt_k = k if body.echo and body.prompt_logprobs is None else body.prompt_logprobs  # (echo shows the first k + 1 of each)
-    # "max_tokens": null is 16, as absent (vLLM 0.32's); beams take no sampling settings, the config's neither
+    # "max_tokens": null is 16, as absent (vLLM 0.32's); beam search takes no sampling settings, so no defaults for them either
     defaults = {} if body.use_beam_search else server.sampling_defaults
     params = check_max_tokens(server, body.sampling_params(defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {})))
     request_id = f"cmpl-{client_request_id(request, body)}"
@@ -1239,13 +1245,14 @@ async def tokenize(request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise ServerError("send one of 'prompt' or 'messages'")
 
-    def encode(llm):
+    def encode(llm):  # (token ids, their strings as the vocabulary has them, if asked)
         if body.messages is not None:  # the chat template holds its own special tokens
-            return llm.chat_prompt([m.for_template() for m in body.messages], **body.template())["prompt_token_ids"]
-        return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = llm.chat_prompt([m.for_template() for m in body.messages], **body.template())["prompt_token_ids"]
+        else:
+            ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return ids, llm.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
-    token_ids = await ask(server.engine, encode)
-    token_strs = await ask(server.engine, lambda llm: llm.tokenizer.convert_ids_to_tokens(token_ids)) if body.return_token_strs else None
+    token_ids, token_strs = await ask(server.engine, encode)
     return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": token_strs}
 
 
@@ -1360,8 +1367,7 @@ class Server:
         # what a completion or chat request leaves out comes from generation_config.json, as in vLLM's server;
         # its max_new_tokens only where a chat sends no max_tokens, at most max_model_len
         defaults, plain = llm.get_default_sampling_params(), SamplingParams()
-        self.sampling_defaults = {f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                                  if getattr(defaults, f) != getattr(plain, f)}
+        self.sampling_defaults = {f: getattr(defaults, f) for f in nanobatch.GENERATION_DEFAULTS if getattr(defaults, f) != getattr(plain, f)}
         new_tokens = llm.generation_config.get("max_new_tokens")
         self.default_max_tokens = None if new_tokens is None else min(new_tokens, llm.max_model_len)
         self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)

@@ -335,8 +335,9 @@ def test_eos_ends_the_output(tiny_llm):
 def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm):
     """A final_only request without stop strings is detokenized once, when it ends (or is aborted):
     its text equals the incremental detokenizer's text of the same tokens streamed as cumulative
-    outputs, and a plain decode of its tokens, special tokens skipped or kept. High-temperature
-    sampling makes tokens that cut characters in the middle."""
+    outputs, and a plain decode of its tokens (less a replacement character at the end, which vLLM's
+    text leaves out), special tokens skipped or kept. High-temperature sampling makes tokens that cut
+    characters in the middle."""
     def last_output(params, num_steps=None):
         request_id = folder_llm.add_request("Write something odd:", params)
         outputs, steps = [], 0
@@ -353,10 +354,10 @@ def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm
         final, num_final = last_output(dataclasses.replace(params, output_kind="final_only"))
         assert num_streamed == 48 and num_final == 1, "cumulative: one output per token; final_only: one in all"
         assert final.token_ids == streamed.token_ids and final.text == streamed.text
-        assert final.text == folder_llm.tokenizer.decode(final.token_ids, skip_special_tokens=skip)
+        assert final.text == folder_llm.tokenizer.decode(final.token_ids, skip_special_tokens=skip).rstrip("\ufffd")
     aborted, _ = last_output(dataclasses.replace(params, output_kind="final_only"), num_steps=6)
     assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 48
-    assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False)
+    assert aborted.text == folder_llm.tokenizer.decode(aborted.token_ids, skip_special_tokens=False).rstrip("\ufffd")
 
 
 def sentencepiece_tokenizer():
@@ -1575,15 +1576,36 @@ def test_constraint_that_does_not_compile_fails_at_add_request(tiny_llm, kwargs,
 
 
 def test_a_grammar_at_a_dead_end_ends_its_request_alone(tiny_llm):
-    """A grammar can start and later allow no token at all: its request ends there ("abort", as vLLM),
-    the rest of the batch runs on, and every block goes back."""
+    """A grammar can start and later allow no token at all: its request ends there ("abort"; vLLM's "error"), without
+    the token the grammar refused (its text would break the constraint), the rest of the batch runs on, and every
+    block goes back."""
     dead_end = constrained(grammar='root ::= "a" b\nb ::= b', max_tokens=8)
     plain = SamplingParams(max_tokens=8, **GREEDY)
     alone = tiny_llm.generate(["hello"], plain, use_tqdm=False)[0].outputs[0].token_ids
     stuck, other = tiny_llm.generate(["hi", "hello"], [dead_end, plain], use_tqdm=False)
-    assert stuck.outputs[0].finish_reason == "abort" and stuck.outputs[0].text.startswith("a") and len(stuck.outputs[0].token_ids) == 2
+    assert (stuck.outputs[0].finish_reason, stuck.outputs[0].text, len(stuck.outputs[0].token_ids)) == ("abort", "a", 1)
     assert other.outputs[0].token_ids == alone
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+
+
+def test_grammar_stop_tokens_min_tokens_and_logprobs_as_vllm(tiny_llm):
+    """As vLLM 0.32: the request's stop_token_ids are the grammar's stop tokens beside EOS (allowed where it can end);
+    min_tokens holds them back under a grammar too, unless the grammar allows nothing else; logprobs are taken
+    after the grammar's mask."""
+    eos = tiny_llm.tokenizer.eos_token_id
+    stop = tiny_llm.tokenizer.encode("x", add_special_tokens=False)[0]  # a token the grammar never allows as text
+    params = dataclasses.replace(constrained(regex="[ab]{1,4}", max_tokens=8), stop_token_ids=[stop], logit_bias={stop: 30.0})
+    out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (stop, "stop", stop) and len(out.token_ids) == 2 and set(out.text) <= {"a", "b"}
+    params = dataclasses.replace(constrained(regex="[ab]+", max_tokens=12), min_tokens=6, logit_bias={eos: 30.0})
+    out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    params = dataclasses.replace(constrained(choice=["a", "b"], max_tokens=5), min_tokens=5, logprobs=2)
+    out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]  # min_tokens cannot hold EOS where it alone is left
+    assert out.finish_reason == "stop" and len(out.token_ids) == 2
+    first = out.logprobs[0]
+    assert next(iter(first.values())).logprob >= math.log(0.5) - 1e-6  # greedy among the two tokens the grammar allows
+    assert all(lp.logprob == -math.inf for tid, lp in first.items() if tid not in tiny_llm.tokenizer.encode("a", add_special_tokens=False) + tiny_llm.tokenizer.encode("b", add_special_tokens=False))
 
 
 @pytest.mark.parametrize("body,expected", [
@@ -2103,8 +2125,10 @@ def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
     chat = [{"role": "user", "content": "hi"}]
     assert llm.chat_prompt(chat, chat_template_kwargs={"add_generation_prompt": False}) == llm.chat_prompt(chat)
     assert llm.chat_prompt(chat, add_generation_prompt=False) != llm.chat_prompt(chat)
-    robot = default_tokenizer.encode("🤖", add_special_tokens=False)
-    assert len(robot) > 1 and nanobatch.decode_after(default_tokenizer, default_tokenizer.encode("Hi", add_special_tokens=False), robot[:-1]) == ""
+    robot = default_tokenizer.encode("🤖", add_special_tokens=False)  # bytes over 3 tokens: the first alone is a cut character
+    for kind in ("cumulative", "final_only"):
+        out = llm.generate([[5, 6]], SamplingParams(max_tokens=1, temperature=0, logit_bias={robot[0]: 100.0}, output_kind=kind), use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.text) == (robot[:1], ""), kind
 
 
 def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
@@ -3325,8 +3349,8 @@ def test_what_vllm_accepts_is_accepted(server):
 
 
 def test_max_tokens_null_runs_up_to_the_context(server):
-    """As vLLM: "max_tokens": null is up to max_model_len on /generate (vLLM's SamplingParams(**body)) and on chat;
-    on completions, absent or null, it is 16 (vLLM 0.32's CompletionRequest)."""
+    """As vLLM: "max_tokens": null is up to max_model_len on /generate (vLLM's SamplingParams(**body)); on
+    completions, absent or null, it is 16 (vLLM 0.32's CompletionRequest)."""
     ids = [1000] * 490  # 22 tokens of room under max_model_len 512
     assert post(server, "/v1/completions", {"prompt": ids, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
     assert post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
@@ -3421,14 +3445,17 @@ def test_requests_read_as_vllm_032_reads_them(server):
     status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10 ** 6})
     assert status == 400 and answer["error"]["param"] == "max_completion_tokens" and answer["error"]["message"].startswith("max_completion_tokens=1000000 cannot")
     assert post(server, "/v1/completions", {**prompt, "request_id": "mine"})[1]["id"] == "cmpl-mine"
-    conn = connect(server)
-    for _ in range(2):  # the same id twice: the engine's own ids stay apart
-        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 1}), {"Content-Type": "application/json", "X-Request-Id": "abc"})
-        assert json.loads(conn.getresponse().read())["id"] == "chatcmpl-abc"
-    conn.close()
+    first, mine = connect(server), {"Content-Type": "application/json", "X-Request-Id": "abc"}
+    first.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 30, "ignore_eos": True, "stream": True}), mine)
+    streaming = first.getresponse()  # its request is in the engine now; a second with the same id runs beside it
+    second = connect(server)
+    second.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 1}), mine)
+    assert json.loads(second.getresponse().read())["id"] == "chatcmpl-abc"
+    assert streaming.status == 200 and b'"id": "chatcmpl-abc"' in streaming.read()
+    first.close(), second.close()
     turn = [*CHAT, {"role": "assistant", "content": "The capital"}]
     answer = post(server, "/v1/chat/completions", {"messages": turn, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True})[1]
-    assert answer["choices"][0]["message"]["role"] == "assistant" and post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})[1]["choices"][0]["message"]["role"] == "assistant"
+    assert answer["choices"][0]["message"]["role"] == "assistant"  # continue_final_message: the last message is the assistant's
     answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on:"}], "max_tokens": 1, "add_generation_prompt": False})[1]
     assert answer["choices"][0]["message"]["role"] == "user"
     answer = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})[1]
