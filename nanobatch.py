@@ -1193,12 +1193,13 @@ class LLM:
     def _check_stop(self, seq, token_id):
         """As vLLM: a stop token (stop_token_ids, EOS, a grammar's end) ends the output before the token
         has text, which leaves its text out unless include_stop_str_in_output; then the text grows and may
-        end with a stop string. Before min_tokens only a grammar's end or the length limit ends it."""
+        end with a stop string. Before min_tokens the sampler takes no stop token (apply_penalties masks them)
+        unless a grammar allows nothing else."""
         params, num_output = seq.request.params, seq.num_output_tokens
         if seq.finish_reason is not None:  # a grammar's dead end (advance_grammar) ended it already
             return
         eos = not params.ignore_eos and token_id in self.eos_token_ids
-        stop_token = num_output >= params.min_tokens and (eos or token_id in params.stop_token_ids)
+        stop_token = eos or token_id in params.stop_token_ids
         if stop_token or grammar_terminated(seq):
             seq.finish_reason = "stop"
             # vLLM checks the tokenizer's EOS first (no stop_reason); any other stop token, generation_config's EOS ids too, is the stop_reason
