@@ -118,11 +118,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words the output may not contain (their tokens, as vLLM matches them: see ban_bad_words)
     min_tokens: int = 0  # no EOS / stop_token_ids end before this many tokens (unless a grammar allows nothing else), no stop string before one more
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS included) that ended the output in its text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
     structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
+    bad_words_token_ids: list = field(default=None, init=False, repr=False, compare=False)  # bad_words tokenized for the model (check_fits)
 
     def __post_init__(self):
         check_sampling_params(self)  # normalises (a lone stop string, top_k -1) and names what is wrong
@@ -1370,6 +1373,7 @@ def check_device(name):
 def check_sampling_params(p: SamplingParams):
     p.stop = [p.stop] if isinstance(p.stop, str) else p.stop
     p.seed = None if p.seed == -1 else p.seed  # vLLM's "no seed"
+    p.bad_words = None if p.bad_words == [] else p.bad_words
     for name, kinds in (("stop", (list, tuple)), ("stop_token_ids", (list, tuple)), ("logit_bias", (dict,))):
         value = getattr(p, name)  # None means none; a value of another type is left for its rule below to name
         setattr(p, name, kinds[0]() if value is None else kinds[0](value) if isinstance(value, kinds) else value)
@@ -1397,6 +1401,8 @@ def check_sampling_params(p: SamplingParams):
         ("skip_special_tokens", lambda v: isinstance(v, bool), "must be a bool"),
         ("output_kind", lambda v: v in ("cumulative", "final_only"), "must be 'cumulative' or 'final_only'"),
         ("structured_outputs", lambda v: v is None or isinstance(v, StructuredOutputsParams), "must be a StructuredOutputsParams or None"),
+        ("allowed_token_ids", lambda v: v is None or (isinstance(v, list) and bool(v) and _token_ids(v)), "must be a non-empty list of token ids or None"),
+        ("bad_words", lambda v: v is None or (isinstance(v, list) and all(isinstance(w, str) for w in v)), "must be a list of strings or None"),
     ])
     if p.top_k == -1:
         p.top_k = 0
@@ -1459,13 +1465,26 @@ def check_fits(llm, token_ids, params):
     if params.n > llm.config.max_num_seqs:
         name = "BeamSearchParams.beam_width" if num_beams > 1 else "SamplingParams.n"
         raise ValueError(f"{name} {params.n} exceeds max_num_seqs {llm.config.max_num_seqs}")
-    for name in ("stop_token_ids", "logit_bias"):  # (a mask or a bias indexes the logits by these ids)
-        if bad := [t for t in getattr(params, name) if t >= llm.model_config.vocab_size]:
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):  # (a mask or a bias indexes the logits by these ids)
+        if bad := [t for t in getattr(params, name) or () if t >= llm.model_config.vocab_size]:
             raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary (0..{llm.model_config.vocab_size - 1})")
+    params.bad_words_token_ids = bad_words_token_ids(llm.tokenizer, params.bad_words or ())
     max_len = min(llm.max_model_len, len(token_ids) + (params.max_tokens or llm.max_model_len))
     blocks = -(-max_len // llm.config.block_size) * num_beams
     if blocks > llm.allocator.num_blocks:
         raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {llm.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks")
+
+
+def bad_words_token_ids(tokenizer, words):
+    """vLLM's tokenization of bad_words: each word as it starts a text, and after a space where that makes
+    another first token of the same count (" Paris" beside "Paris")."""
+    out = []
+    for word in words:
+        plain, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
+        if not plain:
+            raise ValueError(f"SamplingParams.bad_words entries must tokenize to at least one token, got {word!r}")
+        out += [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    return out
 
 
 def validate_prompts(llm, prompts, sampling_params, **change):
@@ -2029,11 +2048,18 @@ def process_logits(logits, seqs, eos_token_ids, keep_raw):
 
 
 def apply_penalties(logits, seqs, eos_token_ids):
-    """min_tokens, logit_bias, then repetition / frequency / presence penalties, in place on the rows
-    whose request asks for them. logits (S, vocab) fp32 (or the model dtype for a plain greedy batch)."""
+    """allowed_token_ids, bad_words, min_tokens, logit_bias, then repetition / frequency / presence penalties
+    (vLLM's order), in place on the rows whose request asks for them. logits (S, vocab) fp32 (or the model
+    dtype for a plain greedy batch)."""
     penalized = []
     for row, seq in enumerate(seqs):
         p = seq.request.params
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)  # (vocab,)
+            allowed[p.allowed_token_ids] = True
+            logits[row].masked_fill_(~allowed, -math.inf)
+        if p.bad_words_token_ids:
+            ban_bad_words(logits[row], p.bad_words_token_ids, seq)
         if p.min_tokens and seq.num_output_tokens < p.min_tokens:  # nothing may end it yet, unless a grammar allows nothing else (vLLM's)
             stops = p.stop_token_ids + list(eos_token_ids)  # EOS too under ignore_eos, as vLLM's
             held = logits[row, stops]  # (a copy: indexing by a list)
@@ -2060,6 +2086,14 @@ def apply_penalties(logits, seqs, eos_token_ids):
     x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)  # these two: over the output only
     logits[rows] = x
     return logits
+
+
+def ban_bad_words(row, bad_words_token_ids, seq):
+    """vLLM's rule: a bad word's last token is banned where the output ends in the rest of it (a one-token word: always)."""
+    output = seq.token_ids[seq.num_prompt_tokens :] if any(len(ids) > 1 for ids in bad_words_token_ids) else []
+    for ids in bad_words_token_ids:
+        if len(ids) == 1 or (len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1 :] == ids[:-1]):
+            row[ids[-1]] = -math.inf
 
 
 def _output_counts(seq, logits):

@@ -567,6 +567,8 @@ class Sampling(Body):
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
     logit_bias: dict[int, float] | None = None  # JSON keys are strings: {"50256": -100}
+    allowed_token_ids: list[Int] | None = None  # vLLM's extras
+    bad_words: list[str] | None = None
     min_tokens: Int | None = None
     include_stop_str_in_output: Bool | None = None
     skip_special_tokens: Bool | None = None
@@ -612,9 +614,7 @@ class OpenAI(Sampling):
     use_beam_search: Bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
     length_penalty: float | None = None
     # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
-    allowed_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
-    bad_words: list[str] | None = None
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
     truncate_prompt_tokens: Int | None = None
     add_special_tokens: Bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
     spaces_between_special_tokens: Bool | None = None
@@ -701,8 +701,8 @@ UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refu
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
     **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
     # vLLM's extras, refused where they differ from vLLM's defaults (a client may send every field)
-    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("allowed_token_ids", "logprob_token_ids", "truncate_prompt_tokens")},
-    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("bad_words", "return_tokens_as_token_ids", "return_token_ids", "priority")},
+    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("logprob_token_ids", "truncate_prompt_tokens")},
+    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("return_tokens_as_token_ids", "return_token_ids", "priority")},
     "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
     # (on completions and chat; /tokenize takes add_special_tokens for a prompt)
     "add_special_tokens": (lambda v, body: isinstance(body, OpenAI) and v is not None and v != (not isinstance(body, Chat)),
@@ -753,7 +753,7 @@ def beam_search_params(body, params, default_temperature=None):
 
 
 BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")  # SamplingParams fields beam search ignores
+                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words")  # SamplingParams fields beam search ignores
 
 
 def validation_message(error):

@@ -2105,6 +2105,28 @@ def test_chat_prompt_and_seeds_as_vllm_032(default_tokenizer):
     assert SamplingParams(seed=-1).seed is None
 
 
+def test_allowed_token_ids_and_bad_words(tiny_llm):
+    """vLLM's allowed_token_ids (only these may be sampled) and bad_words (a word's last token is banned where the
+    output ends in the rest of it; a word is matched as it starts a text and after a space), validated up front."""
+    encode = lambda text: tiny_llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = tiny_llm.generate([[5, 6]], dataclasses.replace(greedy, allowed_token_ids=[11, 12, 13]), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= {11, 12, 13}
+    word = encode(" Paris")
+    forced = dataclasses.replace(greedy, logit_bias={t: 50.0 for t in word})  # the model would say " Paris" over and over
+    assert word[0] in tiny_llm.generate([[5, 6]], forced, use_tqdm=False)[0].outputs[0].token_ids
+    out = tiny_llm.generate([[5, 6]], dataclasses.replace(forced, bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]
+    text = tiny_llm.tokenizer.decode(out.token_ids)
+    assert "Paris" not in text and (len(word) > 1 or word[0] not in out.token_ids), text
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids has token id 1000000, outside the vocabulary"):
+        tiny_llm.add_request([5], SamplingParams(allowed_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="bad_words entries must tokenize to at least one token"):
+        tiny_llm.add_request([5], SamplingParams(bad_words=[""]))
+    assert SamplingParams(bad_words=[]).bad_words is None
+
+
 def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
     """vLLM 0.32's LLM: generate([]) is []; a tuple of params is taken; max_tokens past max_model_len runs to the context's
     end ("length"; its server refuses it); the tokenizer's EOS ends an output with no stop_reason even when it is in
@@ -3398,8 +3420,6 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("chat", "use_beam_search", True),
     # vLLM's extras: they change the output there, so a silent 200 here would be a wrong answer
-    ("completions", "allowed_token_ids", [11, 12]),
-    ("completions", "bad_words", ["the"]),
     ("completions", "truncate_prompt_tokens", 8),
     ("completions", "add_special_tokens", False),
     ("completions", "return_token_ids", True),
@@ -3438,6 +3458,7 @@ def test_requests_read_as_vllm_032_reads_them(server):
     prompt = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
     assert post(server, "/v1/completions", {**prompt, "echo": "false", "ignore_eos": 1, "stream": "false"})[0] == 200
     assert post(server, "/v1/completions", {**prompt, "model": ""})[0] == 200
+    assert post(server, "/v1/completions", {**prompt, "allowed_token_ids": ["11", 12], "bad_words": ["Paris"]})[0] == 200  # vLLM's extras, served
     assert post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 0})[0] == 200
     for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", {"messages": CHAT})):
         status, answer = post(server, path, {**body, "stream": True, "prompt_logprobs": 1})
