@@ -125,7 +125,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
     structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
-    bad_words_token_ids: list = field(default=None, init=False, repr=False, compare=False)  # bad_words tokenized for the model (check_fits)
+    bad_words_token_ids: list | None = field(default=None, init=False, repr=False, compare=False)  # bad_words tokenized for the model (check_fits)
 
     def __post_init__(self):
         check_sampling_params(self)  # normalises (a lone stop string, top_k -1) and names what is wrong
@@ -2090,9 +2090,9 @@ def apply_penalties(logits, seqs, eos_token_ids):
 
 def ban_bad_words(row, bad_words_token_ids, seq):
     """vLLM's rule: a bad word's last token is banned where the output ends in the rest of it (a one-token word: always)."""
-    output = seq.token_ids[seq.num_prompt_tokens :] if any(len(ids) > 1 for ids in bad_words_token_ids) else []
     for ids in bad_words_token_ids:
-        if len(ids) == 1 or (len(ids) - 1 <= len(output) and output[len(output) - len(ids) + 1 :] == ids[:-1]):
+        rest = len(ids) - 1  # tokens that must end the output (not the prompt) for the last one to be banned
+        if rest <= seq.num_output_tokens and seq.token_ids[len(seq.token_ids) - rest :] == ids[:-1]:
             row[ids[-1]] = -math.inf
 
 
