@@ -150,7 +150,9 @@ WORKLOAD_FLAGS = {
 WORKLOAD_DEFAULTS = {
     ("cpu", "random"): dict(num_requests=64, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96, max_num_seqs=16),
     ("cpu", "shared-prefix"): dict(num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16),
-    ("cuda", "random"): dict(num_requests=256, min_prompt_len=100, max_prompt_len=1024, min_output_len=100, max_output_len=1024, max_num_seqs=64),
+    # nano-vllm's benchmark: its workload and its engine settings (512 seats, 16,384 tokens a step, 4,096 tokens a sequence)
+    ("cuda", "random"): dict(num_requests=256, min_prompt_len=100, max_prompt_len=1024, min_output_len=100, max_output_len=1024, max_num_seqs=512,
+                             max_num_batched_tokens=16384, max_model_len=4096),
     ("cuda", "shared-prefix"): dict(num_requests=256, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=64),
     # host: every request has max_prompt_len tokens and decodes; the output lengths are not used
     ("cpu", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
@@ -607,7 +609,8 @@ def valid_json(text, schema):
 def load_nanobatch(model_path, args, **engine_config):
     # the KV pool is allocated (and zeroed, so resident) here, before any run: PeakMemory does not see it,
     # engine_run counts the blocks a run held at its peak instead
-    llm = LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
+    llm = LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, **engine_config)
     llm.forward_timer = ForwardTimer(llm)  # bench-side only: the engine knows nothing of it
     return llm
 
@@ -942,7 +945,8 @@ def run_vllm(args, model_path, workload, device, results, runs):
         workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
         job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_vllm.py"))
         with open(job, "w") as f:
-            engine = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+            engine = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, seed=0)
             json.dump({"engine": engine, "warmup": [warmup.prompts, warmup.output_lens], "workload": [workload.prompts, workload.output_lens]}, f)
         with open(script, "w") as f:
             f.write(VLLM_SCRIPT)
@@ -1223,6 +1227,7 @@ STATIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATIC_HEAD_DIMS = (64, 128, 256)
 STATIC_GROUPS = (1, 4, 8)
 STATIC_PHASES = ("decode", "prefill", "split")
+STATIC_SMALL_OP_WIDTHS = (64, 128, 256, 576, 1024, 4096, 8192, 14336)  # head_dims; hidden sizes (SmolLM2, Qwen3-0.6B, 8B); an intermediate size
 
 
 def static_rows():
@@ -1237,6 +1242,8 @@ def static_rows():
                 for group in STATIC_GROUPS:
                     for phase in STATIC_PHASES:
                         rows += kernels.compile_static(cc, dtype, head_dim, group, phase)
+            for width in STATIC_SMALL_OP_WIDTHS:
+                rows += kernels.compile_static_small_ops(cc, dtype, width)
     return rows
 
 
@@ -1263,6 +1270,156 @@ def run_static(args):
         with open(args.json, "w") as f:
             json.dump({"static": rows}, f, indent=2)
     return 1 if any(r["spill_bytes"] or r["shared_bytes"] > r["shared_limit"] for r in rows) else 0
+
+
+# ---- Launches: the kernels one decode step launches on a GPU, counted on a CPU ----
+# On a GPU every op is a kernel launch (~3 us of host time, and a gap on the GPU), so a small model's decode
+# step is set by their count. --launches counts them without a GPU: the engine runs the GPU code path on a
+# CPU (Triton under the interpreter, no CPU weight packing) over a tiny bf16 Qwen3-layout model (q/k norm: the most
+# ops a layer), and a TorchDispatchMode sees every torch op while each Triton launch counts as one. Views and
+# allocations (empty) launch nothing and are left out. Counted: one decode step of LAUNCH_SEQS sequences, per
+# layer, outside the layers (in the forward), and in the step outside the forward from the logits to the
+# sampled ids (on a GPU the step's inputs are built on the host and copied; those copies are not counted).
+
+LAUNCH_GOAL_PER_LAYER = 10  # add+norm, qkv, q/k norm + rotary, store_kv, attention, o, add+norm, gate_up, silu*up, down
+LAUNCH_SEQS = 4
+TINY_QWEN3_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "_local_scalar_dense"}
+
+
+class LaunchCounter:
+    """Counts torch ops (TorchDispatchMode) and Triton launches (kernels.py's jitted functions, wrapped) by where
+    they run: "layer", "forward" (outside the layers) or "step" (after the forward, to the sampled ids)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.where, self.paused, self.counts, self.syncs = None, False, {}, {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.see(func, args, out)
+                return out
+
+        self.mode = Mode()
+
+    def see(self, func, args, out):
+        if self.paused or self.where is None:
+            return
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":  # .item(), .tolist() of a device tensor: the host waits for the GPU
+            self.syncs[self.where] = self.syncs.get(self.where, 0) + 1
+        if name in NO_LAUNCH:
+            return
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):  # may return a view
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if not isinstance(out, torch.Tensor) or out.untyped_storage().data_ptr() in inputs:
+                return  # a view (x.to(x.dtype) too): nothing launched
+        self.record(name)
+
+    def record(self, name):
+        ops = self.counts.setdefault(self.where, {})
+        ops[name] = ops.get(name, 0) + 1
+
+    def wrap_triton(self):
+        """Each of kernels.py's Triton kernels counted as one launch (and what the interpreter does inside, nothing)."""
+        from triton.runtime.interpreter import InterpretedFunction
+
+        counter = self
+
+        class Counted:
+            def __init__(self, fn, name):
+                self.fn, self.name = fn, name
+
+            def __getitem__(self, grid):
+                launch = self.fn[grid]
+
+                def run(*args, **kwargs):
+                    if counter.where is not None and not counter.paused:
+                        counter.record("triton:" + self.name.strip("_"))
+                    counter.paused, was = True, counter.paused
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        counter.paused = was
+
+                return run
+
+        for name, fn in vars(kernels).copy().items():
+            if isinstance(fn, InterpretedFunction):
+                setattr(kernels, name, Counted(fn, name))
+
+    def watch(self, llm):
+        """Set `where` from hooks on the model and its layers, and around the sampler."""
+        def enter(where):
+            return lambda *args: setattr(self, "where", where)
+
+        for layer in llm.model.model.layers:
+            layer.register_forward_pre_hook(enter("layer"))
+            layer.register_forward_hook(enter("forward"))
+        llm.model.register_forward_pre_hook(enter("forward"))
+        llm.model.register_forward_hook(enter("step"))
+        sample = nanobatch.sample
+        nanobatch.sample = lambda *a, **kw: (out := sample(*a, **kw), setattr(self, "where", None))[0]  # the sampled ids: the end
+
+
+def count_launches():
+    """One decode step's launches on the GPU code path, on a CPU: {"per_layer", "outside_layers",
+    "step_outside_forward", "host_syncs", "ops"}. Needs TRITON_INTERPRET=1 set before kernels.py was imported."""
+    if not kernels.TRITON_INTERPRET:
+        raise RuntimeError("count_launches: needs TRITON_INTERPRET=1 in the environment before kernels.py is imported")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="bench-launches-")
+    try:
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3_SHAPE, architectures=["Qwen3ForCausalLM"])).save_pretrained(folder)
+        save_tokenizer(folder, nanobatch.default_model_path())
+        saved = kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu, nanobatch.sample, dict(vars(kernels))
+        # the GPU path: Triton, and none of the CPU's compiled loops or oneDNN packing
+        kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu = True, False, lambda model: None
+        try:
+            llm = LLM(model=folder, device="cpu", dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_seqs=LAUNCH_SEQS)
+            for i in range(LAUNCH_SEQS):
+                llm.add_request([100 + i] * (5 + i), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            llm.step()  # the prefill: every sequence decodes from the next step on
+            counter = LaunchCounter()
+            counter.wrap_triton()
+            counter.watch(llm)
+            with counter.mode:
+                llm.step()
+        finally:
+            kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu, nanobatch.sample, state = saved
+            vars(kernels).update(state)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    total = lambda where: sum(counter.counts.get(where, {}).values())  # noqa: E731
+    layers = TINY_QWEN3_SHAPE["num_hidden_layers"]
+    return dict(per_layer=total("layer") / layers, outside_layers=total("forward"), step_outside_forward=total("step"),
+                host_syncs=counter.syncs, ops={where: dict(sorted(ops.items())) for where, ops in counter.counts.items()})
+
+
+def run_launches(args):
+    """--launches: count_launches in a process where TRITON_INTERPRET=1 is set (this one, or a fresh one)."""
+    if not kernels.TRITON_INTERPRET:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        return subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env).returncode
+    launches = count_launches()
+    layers = launches["ops"].get("layer", {})
+    print(f"one decode step of {LAUNCH_SEQS} sequences on the GPU code path (a Qwen3-layout model with q/k norm, counted on a CPU):")
+    print(f"  launches a layer: {launches['per_layer']:g} (goal <= {LAUNCH_GOAL_PER_LAYER}): "
+          + ", ".join(f"{n} {c // TINY_QWEN3_SHAPE['num_hidden_layers']}" for n, c in layers.items()))
+    for where, label in (("forward", "outside the layers"), ("step", "in the step, from the logits to the sampled ids")):
+        ops = launches["ops"].get(where, {})
+        print(f"  {label}: {sum(ops.values())}: " + ", ".join(f"{n} {c}" for n, c in ops.items()))
+    print(f"  host syncs (.item(), .tolist() of a device tensor) before the sampled ids: {sum(launches['host_syncs'].values())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"launches": launches}, f, indent=2)
+    return 0 if launches["per_layer"] <= LAUNCH_GOAL_PER_LAYER else 1
 
 
 # ---- Report ----
@@ -1399,7 +1556,10 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     extra["load_seconds"] = time.perf_counter() - start  # LLM(...): config, tokenizer, weights, KV pool (what a user waits for first)
     workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size, args.beam_width)
     details = [f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"
-               + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes)" if llm.cuda_graphs else "")]
+               + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes, 1 to "
+                  f"{max(llm.cuda_graphs)}): decode steps replay graphs" if llm.cuda_graphs else
+                  "; CUDA graphs: none (every step eager: enforce_eager, or the capture failed, as warned)" if device.type == "cuda" else "")]
+    extra["cuda_graphs"] = sorted(llm.cuda_graphs or [])
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
         run_structured(llm, workload, warmup, device, results, runs, details, extra)
@@ -1561,13 +1721,18 @@ def build_arg_parser():
     g.add_argument("--beam-width", type=int, help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long")
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, help="most tokens in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, help=f"most tokens in one step (default {EngineConfig.max_num_batched_tokens}; "
+                   "16384 for the random workload on a GPU)")
+    g.add_argument("--max-model-len", type=int, help="most tokens a sequence may hold (default: the model's own limit; 4096 for the random "
+                   "workload on a GPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="also run nanobatch with its layers split over N ranks (gloo on a CPU, NCCL on GPUs), beside TP=1")
     p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline at batch 1, 16 and --max-num-seqs (default: on a GPU only)")
     p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
                                                            "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
     p.add_argument("--static", action="store_true", help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "
                                                          "(no GPU needed) and print registers, spill bytes and shared memory")
+    p.add_argument("--launches", action="store_true", help="only count the kernels one decode step launches on the GPU code path "
+                   "(per layer, outside the layers, in the sampler), on a CPU: no GPU needed")
     p.add_argument("--vllm-python", metavar="PATH", help="the python of a virtual environment with vLLM installed: runs the vllm system")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
@@ -1639,7 +1804,7 @@ def resolve_args(args):
     resolve_systems(args)
     defaults = {**WORKLOAD_DEFAULTS[(device, args.workload)], "beam_width": DEFAULT_BEAM_WIDTH if args.workload == "beam" else 0,
                 "prefix_len": DEFAULT_PREFIX_LEN if args.workload == "shared-prefix" else 0}
-    for name, value in defaults.items():
+    for name, value in {"max_num_batched_tokens": EngineConfig.max_num_batched_tokens, **defaults}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.model is None and args.workload == "host":
@@ -1658,6 +1823,8 @@ def resolve_args(args):
 
 def main(args):
     check_paths(args)
+    if args.launches:
+        return run_launches(args)
     if args.static:
         if not args.kernels:
             raise ValueError("--static goes with --kernels")
@@ -1687,7 +1854,8 @@ def main(args):
 
     print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
     print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
-          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}\n")
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, max_model_len {args.max_model_len or 'the model limit'}"
+          + (" (nano-vllm's benchmark settings: the GPU defaults)" if device.type == "cuda" and args.workload == "random" else "") + "\n")
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
     if reference:
         extra["same_out_reference"] = reference

@@ -1,25 +1,34 @@
 """
-kernels.py: the two kernels a paged-KV-cache engine needs, each as a Triton
-kernel and a plain-torch reference with the same signature, plus the dispatcher
-nanobatch.py calls.
+kernels.py: the two kernels a paged-KV-cache engine needs, and the three that fuse a decoder
+layer's small ops, each as a Triton kernel and a plain-torch reference with the same signature,
+plus the dispatcher nanobatch.py calls.
 
     store_kv(k, v, k_cache, v_cache, slot_mapping)
         write the K/V rows of this step's new tokens into the paged cache
     paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None)
         causal attention of the new tokens over everything cached for their sequence
         (prefill, prefill over a cached prefix and decode, mixed freely in one batch)
+    rms_norm(x, weight, eps, residual=None)      RMSNorm, with the residual stream's add fused in
+    silu_and_mul(gate_up)                        SwiGLU's silu(gate) * up over the merged projection
+    rotary(q, k, rope, q_norm, k_norm, eps)      Qwen3's q/k RMSNorm and the rotary embedding of q and k
+    (on a GPU each is one launch: a decoder layer is ten, with its four matmuls; `bench.py --launches`)
 
     store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1); decode
                                                batches too small for the GPU split their keys (split-KV)
+    rms_norm_triton / silu_and_mul_triton /    the small ops' Triton kernels, one program per row (or per
+    rotary_triton                              token and head): fp32 math, rounded where HF's torch ops round
     tile_config / num_segments                 the kernel's tiles per (arch, dtype, head_dim, phase) and its
                                                split-KV segments, from shapes alone
-    compile_static                             the kernel compiled for any NVIDIA arch on a CPU: registers,
+    compile_static / compile_static_small_ops  the kernels compiled for any NVIDIA arch on a CPU: registers,
                                                spill bytes, shared memory (bench.py --kernels --static)
     store_kv_ref / paged_attention_ref         plain torch, any device: the rule itself, one sequence at a time
+    rms_norm_ref / silu_and_mul_ref /          plain torch: HF's ops, rounded where HF rounds
+    rotary_ref
     paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
                                                decode rows as compiled loops (numba) or batched torch ops
-    store_kv / paged_attention                 dispatch: Triton for CUDA tensors; on a CPU store_kv_ref and
-                                               paged_attention_cpu; on a GPU without triton, the references
+    store_kv / paged_attention / rms_norm /    dispatch: Triton for CUDA tensors; on a CPU the references, the
+    silu_and_mul / rotary                      CPU attention path and the bf16 loops; on a GPU without triton,
+                                               the references
     rms_norm_cpu / rotary_cpu / argmax_rows    the model's RMSNorm and rotary embedding and the sampler's
                                                greedy argmax over bf16 CPU tensors, as compiled loops (or
                                                None: the caller uses torch ops)
@@ -60,13 +69,15 @@ path (on a CPU) or the references (on a GPU), and the *_triton functions raise a
 RuntimeError that says so.
 
 Sections, in reading order: imports and switches / shape checks / plain-torch references (the
-rule itself) / Triton store_kv / Triton paged_attention (and the split-KV merge) / tiles per GPU and when
-to split, with the wrapper / compiled for any GPU on a CPU / dispatch (what nanobatch.py calls,
-plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
+rule itself; then the layer's small ops) / Triton store_kv / Triton small ops / Triton paged_attention (and
+the split-KV merge) / tiles per GPU and when to split, with the wrapper / compiled for any GPU on a CPU /
+dispatch (what nanobatch.py calls, plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
 the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
 argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype, weight packing,
 greedy tokens, top-p by rejection).
-Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels" (it sets TRITON_INTERPRET=1 without a GPU)
+The interpreter rounds fp32 -> bf16 toward zero where a GPU rounds to nearest even: under it, bf16 results
+of the small ops are a rounding step from the references' (the tests allow exactly that).
+Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels or triton" (it sets TRITON_INTERPRET=1 without a GPU)
 """
 
 import contextlib
@@ -153,6 +164,25 @@ def _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     _check_same_device("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
 
 
+def _check_rows(name, x, weight=None, residual=None):
+    if x.dtype not in _FLOAT_DTYPES or x.dim() < 2:
+        raise ValueError(f"{name}: x must be float32, float16 or bfloat16 rows (..., dim), got {x.dtype} {tuple(x.shape)}")
+    if weight is not None and (weight.shape != x.shape[-1:] or weight.device != x.device):
+        raise ValueError(f"{name}: weight must be ({x.shape[-1]},) on {x.device}, got {tuple(weight.shape)} on {weight.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"{name}: residual must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+
+
+def _check_rotary(q, k, rope, q_norm, k_norm):
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2 or q.dtype != k.dtype:
+        raise ValueError(f"rotary: q and k must be (num_tokens, heads, head_dim) of one dtype with an even head_dim, got {tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}")
+    if rope.shape != (q.shape[0], q.shape[2]) or rope.dtype != torch.float32:
+        raise ValueError(f"rotary: rope must be float32 ({q.shape[0]}, {q.shape[2]}) (cos | sin per token), got {rope.dtype} {tuple(rope.shape)}")
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and not q_norm.shape == k_norm.shape == (q.shape[2],)):
+        raise ValueError("rotary: q_norm and k_norm come together, each (head_dim,)")
+    _check_same_device("rotary", q, k, rope)
+
+
 def _check_same_device(name, *tensors):
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -231,6 +261,49 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+# ---- Plain-torch references: a decoder layer's small ops ----
+# Each op rounds where HF's model code rounds (to the model's dtype after every torch op on it), so that
+# the Triton kernels below, which do the same sums in fp32 registers, can be held to them.
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    """HF's RMSNorm of x's rows: weight * (x * rsqrt(mean(x ** 2) + eps)), in fp32, rounded to x's dtype before
+    the weight. With residual: the residual stream's add first, x + residual (in x's dtype, as HF adds), and
+    (normed rows, x + residual) back. x, residual (..., dim); weight (dim,)."""
+    if residual is not None:
+        x = residual = x + residual
+    x32 = x.float()
+    out = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_ref(gate_up):
+    """SwiGLU's activation over the merged gate_up projection: silu(gate) * up. (T, 2 * I) -> (T, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_ref(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
+    """Qwen3's per-head RMSNorm of q and k (where q_norm and k_norm weights are given), then the rotary embedding
+    of every head, HF's "rotate half" form: x * cos + cat(-x2, x1) * sin. q (T, H, D), k (T, Hkv, D);
+    rope (T, D) fp32, each token's cos | sin of its D / 2 rotation angles (Rotary's table). -> new (q, k)."""
+    if q_norm is not None:
+        q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    cos, sin = _cos_sin(rope, q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _cos_sin(rope, dtype):
+    """(T, D) rows of cos | sin -> cos and sin, (T, 1, D) each in dtype, each angle twice (HF's cat(freqs, freqs))."""
+    cos, sin = rope.chunk(2, dim=-1)
+    return torch.cat([cos, cos], dim=-1)[:, None].to(dtype), torch.cat([sin, sin], dim=-1)[:, None].to(dtype)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 # ---- Triton: store_kv ----
 # Grid (num_tokens, num_kv_heads): one program copies one head_dim row of K and
 # one of V into the slot its token was given. Nothing to tile, so no tuning.
@@ -285,6 +358,153 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
             BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
             num_warps=1,  # one row of at most 256 elements: a single warp covers it
         )
+
+
+# ---- Triton: a decoder layer's small ops, one launch each ----
+# On a GPU every torch op is a kernel launch (~3 us), and a small model's decode step is set by their count,
+# not by their bytes: HF's RMSNorm is 8 ops, the rotary embedding 5 a tensor, SiLU-times-up 2, each residual
+# add 1. Each kernel below does one of these in one launch, reading its rows once and writing them once,
+# with fp32 math inside and a rounding to the model's dtype wherever the reference (HF) rounds.
+# One program per row (RMSNorm; SiLU * up in column blocks) or per (token, head) (q/k norm + rotary): the
+# rows are a few hundred to a few thousand elements, so a program holds its whole row in registers.
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # (num_rows, dim) rows to normalise
+    residual_ptr,  # (num_rows, dim) the residual stream; with HAS_RESIDUAL, x + residual is written back here
+    weight_ptr,  # (dim,)
+    out_ptr,  # (num_rows, dim) the normalised rows
+    stride_x, stride_r, stride_out,  # row strides (the last dim is contiguous)
+    dim, eps,
+    HAS_RESIDUAL: tl.constexpr,  # add the residual first (vLLM's fused_add_rms_norm)
+    BLOCK: tl.constexpr,  # next power of two >= dim; extra lanes masked
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the add, rounded to the model's dtype as HF's x + residual is
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as HF
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,  # (num_rows, 2 * width): gate's columns, then up's
+    out_ptr,  # (num_rows, width)
+    stride_in, stride_out,  # row strides
+    width,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the product
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # (num_tokens, num_heads, head_dim), rotated in place (a strided view of the qkv projection)
+    k_ptr,  # (num_tokens, num_kv_heads, head_dim), likewise
+    rope_ptr,  # (num_tokens, head_dim) fp32: cos | sin of each token's head_dim / 2 angles
+    q_norm_ptr, k_norm_ptr,  # (head_dim,) Qwen3's per-head RMSNorm weights (read only with HAS_NORM)
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_rope,
+    eps,
+    NUM_HEADS: tl.constexpr,  # query heads: programs 0..NUM_HEADS-1 along axis 1 take q, the rest k
+    HALF: tl.constexpr,  # head_dim // 2: x1 is a head's first half, x2 its second
+    HALF_PADDED: tl.constexpr,  # next power of two (tl.arange needs one); extra lanes masked
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if head < NUM_HEADS:
+        x_ptr, w_ptr = q_ptr + token * stride_q_tok + head * stride_q_head, q_norm_ptr
+    else:
+        x_ptr, w_ptr = k_ptr + token * stride_k_tok + (head - NUM_HEADS) * stride_k_head, k_norm_ptr
+    dtype = q_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PADDED)
+    mask = d < HALF
+    x1 = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # RMSNorm over the head's head_dim values, rounded as rms_norm_ref
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    cos = tl.load(rope_ptr + token * stride_rope + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(rope_ptr + token * stride_rope + HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype as HF's torch ops round them
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(x_ptr + d, out1.to(dtype), mask=mask)
+    tl.store(x_ptr + HALF + d, out2.to(dtype), mask=mask)
+
+
+def _row_warps(block):
+    """Warps for a program that holds a row of `block` elements: about 8 elements a thread, 1 to 16 warps."""
+    return min(16, max(1, block // 256))
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """Same contract as rms_norm_ref, but with residual, x + residual is written into residual (in place)."""
+    _check_rows("rms_norm_triton", x, weight, residual)
+    _check_triton("rms_norm_triton", x)
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # (rows, dim): a view where the rows are evenly strided
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    r = x if residual is None else residual.view(-1, shape[-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (rows, dim)
+    if x.shape[0]:
+        block = triton.next_power_of_2(shape[-1])
+        with _on_device(x):
+            _rms_norm_kernel[(x.shape[0],)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), shape[-1], eps,
+                                            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block))
+    out = out.view(shape)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_triton(gate_up):
+    _check_rows("silu_and_mul_triton", gate_up)
+    _check_triton("silu_and_mul_triton", gate_up)
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)  # (rows, width)
+    if rows:
+        block = min(1024, triton.next_power_of_2(width))
+        with _on_device(gate_up):
+            _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
+                                                                    BLOCK=block, num_warps=_row_warps(block))
+    return out
+
+
+def rotary_triton(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
+    """Same contract as rotary_ref, but q and k are rotated in place (and returned): one launch for both."""
+    _check_rotary(q, k, rope, q_norm, k_norm)
+    _check_triton("rotary_triton", q, k, rope)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"rotary_triton: q and k are rotated in place, so their last dim must be contiguous, got strides {q.stride()} and {k.stride()}")
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens:
+        half = head_dim // 2
+        norm = (q_norm, k_norm) if q_norm is not None else (rope, rope)  # (never read without HAS_NORM)
+        with _on_device(q):
+            _rotary_kernel[(num_tokens, num_heads + k.shape[1])](
+                q, k, rope, *norm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), rope.stride(0), eps,
+                NUM_HEADS=num_heads, HALF=half, HALF_PADDED=triton.next_power_of_2(half), HAS_NORM=q_norm is not None,
+                num_warps=1,  # a head of at most 256 values: one warp
+            )
+    return q, k
 
 
 # ---- Triton: paged_attention ----
@@ -348,6 +568,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per step of the key loop: power of two >= 16
     DOT_IN_FP32: tl.constexpr,  # run both dots on fp32 operands: fp32 caches (IEEE, not TF32), or bf16 under the interpreter
     NUM_SEGMENTS: tl.constexpr,  # 1, or split-KV: segments per sequence (the third grid axis), merged by _merge_segments_kernel
+    MIN_KEYS: tl.constexpr,  # split-KV: fewest keys a segment takes (MIN_SEGMENT_KEYS, a multiple of TILE_N)
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -393,7 +614,9 @@ def _paged_attention_kernel(
     num_keys = tl.minimum(seq_len, context_len + (q_block_in_seq + 1) * BLOCK_Q)
     key_lo = 0
     if NUM_SEGMENTS > 1:  # this program's segment: whole key tiles, the last segments may be empty
-        segment_keys = tl.cdiv(tl.cdiv(num_keys, NUM_SEGMENTS), TILE_N) * TILE_N
+        # at least MIN_KEYS a segment: a short sequence works in fewer segments (the rest end at once, empty), so the
+        # split follows each sequence's length at run time, not the block table's width (graphs fix NUM_SEGMENTS)
+        segment_keys = tl.maximum(tl.cdiv(tl.cdiv(num_keys, NUM_SEGMENTS), TILE_N) * TILE_N, MIN_KEYS)
         key_lo = tl.program_id(2) * segment_keys
         num_keys = tl.minimum(num_keys, key_lo + segment_keys)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -480,7 +703,7 @@ def _merge_segments_kernel(
 SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 CPU_CC = 80  # the arch whose tiles the interpreter runs (tests run the others' too)
 MAX_SEGMENTS = 16  # split-KV: most segments per sequence
-MIN_SEGMENT_KEYS = 256  # split-KV: fewest keys a segment is worth (the upper bound of a sequence's keys / this)
+MIN_SEGMENT_KEYS = 256  # split-KV: fewest keys a segment is worth (a multiple of every TILE_N), at launch and in the kernel
 
 
 def tile_config(cc, dtype, head_dim_padded, group, phase):
@@ -507,7 +730,8 @@ def num_segments(num_tokens, num_seqs, num_kv_heads, max_keys, sm_count):
     """Split-KV segments per sequence, from shapes alone: 1 (no split) unless the batch is decode only
     and its num_seqs x num_kv_heads programs leave SMs idle; then the least power of two (up to MAX_SEGMENTS)
     that brings the programs to the SM count or more, and no more segments than max_keys (an upper bound on
-    a sequence's keys: the block table's width x block_size) fills with MIN_SEGMENT_KEYS each."""
+    a sequence's keys: the block table's width x block_size) fills with MIN_SEGMENT_KEYS each. In the kernel,
+    each sequence then works in as many of them as its own keys fill with MIN_SEGMENT_KEYS each (at least one)."""
     programs = num_seqs * num_kv_heads
     if num_tokens != num_seqs or programs == 0 or programs >= sm_count:
         return 1
@@ -587,7 +811,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
             # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
             DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
-            NUM_SEGMENTS=segments, num_warps=num_warps,
+            NUM_SEGMENTS=segments, MIN_KEYS=MIN_SEGMENT_KEYS, num_warps=num_warps,
         )
         if segments > 1:
             _merge_segments_kernel[(num_tokens, num_heads)](
@@ -604,7 +828,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 # The pointer and stride arguments are hinted 16-aligned, as the launcher specializes them (but for the
 # ones marked do_not_specialize).
 
-_POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
+_POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64", "rope_ptr": "*fp32",
                    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -629,7 +853,7 @@ def _compile_for(fn, cc, dtype, consts, num_warps):
     from triton.compiler import ASTSource
 
     sig = {name: "constexpr" if name in consts else _POINTER_DTYPES.get(name, "*" + dtype) if name.endswith("_ptr")
-           else "fp32" if name == "qk_scale" else "i32" for name in fn.arg_names}
+           else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
     unspecialized = {p.name for p in fn.params if p.do_not_specialize}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if (name.endswith("_ptr") or name.startswith("stride")) and name not in unspecialized}
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
@@ -648,7 +872,7 @@ def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
     block_m, tile_n, num_warps = tile_config(cc, dtype, head_dim_padded, group, phase)
     segments = MAX_SEGMENTS if phase == "split" else 1
     consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=block_m,
-                  BLOCK_Q=block_m // group, TILE_N=tile_n, DOT_IN_FP32=dtype == torch.float32, NUM_SEGMENTS=segments)
+                  BLOCK_Q=block_m // group, TILE_N=tile_n, DOT_IN_FP32=dtype == torch.float32, NUM_SEGMENTS=segments, MIN_KEYS=MIN_SEGMENT_KEYS)
     name = _TRITON_DTYPES[dtype]
     builds = [("paged_attention", _paged_attention_kernel, consts, num_warps, f"{block_m}x{tile_n}, {num_warps} warps")]
     if phase == "split":
@@ -659,6 +883,26 @@ def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
         registers, spill_bytes, shared_bytes = _compile_for(fn, cc, name, kernel_consts, warps)
         rows.append(dict(kernel=kernel, arch=f"sm_{cc}", dtype=name, head_dim=head_dim, group=group, phase=phase, tiles=tiles,
                          registers=registers, spill_bytes=spill_bytes, shared_bytes=shared_bytes, shared_limit=SHARED_LIMIT[cc]))
+    return rows
+
+
+def compile_static_small_ops(cc, dtype, width):
+    """Compile the layer's small-op kernels as their wrappers launch them for rows of `width` values (RMSNorm: the
+    hidden size; SiLU * up: the intermediate size; rotary: head_dim, with Qwen3's q/k norm) on compute capability
+    cc, with no GPU: rows as compile_static's (head_dim holds the width)."""
+    if TRITON_INTERPRET or _TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError("compile_static_small_ops: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported")
+    norm, silu, half = triton.next_power_of_2(width), min(1024, triton.next_power_of_2(width)), triton.next_power_of_2(width // 2)
+    builds = [("rms_norm+residual", _rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=norm), _row_warps(norm), f"BLOCK {norm}"),
+              ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=silu), _row_warps(silu), f"BLOCK {silu}")]
+    if width <= MAX_HEAD_DIM:
+        builds.append(("qk_norm+rotary", _rotary_kernel, dict(NUM_HEADS=16, HALF=width // 2, HALF_PADDED=half, HAS_NORM=True), 1, f"HALF {half}"))
+    rows = []
+    for kernel, fn, consts, warps, tiles in builds:
+        registers, spill_bytes, shared_bytes = _compile_for(fn, cc, _TRITON_DTYPES[dtype], consts, warps)
+        rows.append(dict(kernel=kernel, arch=f"sm_{cc}", dtype=_TRITON_DTYPES[dtype], head_dim=width, group="-", phase="-",
+                         tiles=f"{tiles}, {warps} warps", registers=registers, spill_bytes=spill_bytes, shared_bytes=shared_bytes,
+                         shared_limit=SHARED_LIMIT[cc]))
     return rows
 
 
@@ -685,6 +929,33 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if q.device.type != "cpu":  # a GPU without triton installed: the reference runs on any device
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out)
     return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, plan=plan)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """rms_norm_ref's contract: the normalised rows, or with residual (normed rows, x + residual). On Triton the
+    add is written into residual in place; on a CPU, bf16 rows go to the compiled loops (rms_norm_cpu)."""
+    if _use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    if residual is not None:
+        x = residual = x + residual
+    out = rms_norm_cpu(x, weight, eps)  # None where the loops do not run
+    out = rms_norm_ref(x, weight, eps) if out is None else out
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(gate_up):
+    return silu_and_mul_triton(gate_up) if _use_triton(gate_up) else silu_and_mul_ref(gate_up)
+
+
+def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
+    """rotary_ref's contract (in place on Triton); on a CPU, bf16 heads go to the compiled loops (rotary_cpu)."""
+    if _use_triton(q):
+        return rotary_triton(q, k, rope, q_norm, k_norm, eps)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    cos, sin = _cos_sin(rope, q.dtype)  # (T, 1, D) each
+    rotated = [rotary_cpu(x, cos, sin) for x in (q, k)]  # None where the loops do not run
+    return tuple(_rotate(x, cos, sin) if r is None else r for x, r in zip((q, k), rotated))
 
 
 def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
@@ -1202,36 +1473,22 @@ def cpu_prefers_bf16(flags=None):
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear whose weight is in oneDNN's blocked layout (pack_linears_cpu swaps this class in).
-    cols: where its outputs lie in a weight it shares with the layers that read the same input (q, k, v;
-    gate, up): project() runs them as one matmul; called alone, it runs the shared one and slices."""
-
-    cols = None
+    """An nn.Linear whose weight is in oneDNN's blocked layout (pack_linears_cpu swaps this class in)."""
 
     def forward(self, x):
-        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return out if self.cols is None else out[..., self.cols]
-
-
-def project(x, *linears):
-    """[linear(x) for linear in linears], as one matmul where pack_linears_cpu fused their weights."""
-    first = linears[0]
-    if type(first) is PackedLinear and first.cols is not None and all(m.weight is first.weight for m in linears):
-        out = torch.ops.mkldnn._linear_pointwise(x, first.weight, first.bias, "none", [], "")
-        return out.split([m.out_features for m in linears], dim=-1)
-    return [m(x) for m in linears]
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def pack_linears_cpu(model):
     """A CPU model in bf16 or fp32: every nn.Linear's weight reordered once, at load, into oneDNN's
-    blocked layout. In bf16, F.linear hands oneDNN torch's plain layout and oneDNN reorders it at every
-    call; packing once is what torch.compile's freezing does on a CPU, with the same results bit for bit.
-    In fp32, F.linear is MKL's sgemm, which has no packed form for a small batch; oneDNN's packed one
-    does the same sums in another order (results within rounding: _agrees) and runs a decode step's
-    matmuls faster. One layer at a time, so memory stays the same once loading ends (a tied lm_head
-    gets its own packed copy of the embedding). Tried on one layer first: a torch or CPU without these
-    oneDNN ops (bf16 needs AVX512 or AVX-NE-CONVERT), or one whose results differ, keeps F.linear, with
-    a warning. Any other device or dtype: nothing to do."""
+    blocked layout (the model's merged qkv_proj and gate_up_proj as they are: one matmul each). In bf16,
+    F.linear hands oneDNN torch's plain layout and oneDNN reorders it at every call; packing once is what
+    torch.compile's freezing does on a CPU, with the same results bit for bit. In fp32, F.linear is MKL's
+    sgemm, which has no packed form for a small batch; oneDNN's packed one does the same sums in another
+    order (results within rounding: _agrees) and runs a decode step's matmuls faster. One layer at a time,
+    so memory stays the same once loading ends (a tied lm_head gets its own packed copy of the embedding).
+    Tried on one layer first: a torch or CPU without these oneDNN ops (bf16 needs AVX512 or AVX-NE-CONVERT),
+    or one whose results differ, keeps F.linear, with a warning. Any other device or dtype: nothing to do."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     first = linears[0] if linears else None
     if first is None or first.weight.device.type != "cpu" or first.weight.dtype not in (torch.bfloat16, torch.float32):
@@ -1244,42 +1501,10 @@ def pack_linears_cpu(model):
     except Exception as e:
         warnings.warn(f"CPU weight packing is off ({type(e).__name__}: {e}); the matmuls use F.linear")
         return
-    fused = [_fuse(group) for group in _input_groups(model)]  # each group's Linears now share one weight
     for m in linears:
-        if any(m in group for group in fused):
-            continue
         w = packed if m is first else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
         m.weight = torch.nn.Parameter(w, requires_grad=False)
         m.__class__ = PackedLinear
-
-
-def _input_groups(model):
-    """The Linears that read the same input, as the model names them: q, k, v and gate, up (vLLM's
-    QKVParallelLinear and MergedColumnParallelLinear hold them as one weight from the start)."""
-    for module in model.modules():
-        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            group = [getattr(module, name, None) for name in names]
-            if all(type(m) is torch.nn.Linear for m in group) and len({(m.in_features, m.bias is None) for m in group}) == 1:
-                yield group
-
-
-def _fuse(group):
-    """One packed weight (and bias) for a group of Linears, their rows stacked: one matmul instead of
-    two or three (fewer calls per layer; oneDNN's wider blocks at prefill). Kept only if each layer's slice of
-    the fused output agrees with its own F.linear on the probe (_agrees); else the group is left alone (returns [])."""
-    probe = torch.randn(3, group[0].in_features, dtype=group[0].weight.dtype, generator=torch.Generator().manual_seed(0))
-    weight = torch.cat([m.weight.detach() for m in group])
-    bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    out = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "").split([m.out_features for m in group], dim=-1)
-    if not all(_agrees(o, m(probe)) for o, m in zip(out, group)):
-        return []
-    shared, start = torch.nn.Parameter(packed, requires_grad=False), 0
-    shared_bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-    for m in group:
-        m.weight, m.bias, m.cols = shared, shared_bias, slice(start, start + m.out_features)
-        m.__class__, start = PackedLinear, start + m.out_features
-    return group
 
 
 def _agrees(got, want):

@@ -629,13 +629,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        out = kernels.rms_norm_cpu(x, self.weight, self.eps)  # bf16 on a CPU: one compiled loop; None elsewhere
-        if out is not None:
-            return out
-        x32 = x.float()  # normalise in fp32, as HF does
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x, residual):
+        """The residual stream's add fused into the norm, as vLLM's: residual + x is the new residual stream,
+        and its normalised rows (fp32 math, as HF's) feed the next block. -> (normed, residual + x)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(cfg: ModelConfig):
@@ -645,46 +642,33 @@ def rope_inv_freq(cfg: ModelConfig):
 
 
 class Rotary(nn.Module):
+    """A table of every position's rotation: row p holds cos | sin of p * inv_freq, in fp32 as HF computes them
+    (each step gathers its positions' rows: one op, where computing them is six)."""
+
     def __init__(self, cfg: ModelConfig, divisors=None):  # divisors: a GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg) / (1.0 if divisors is None else divisors.float()), persistent=False)  # (head_dim / 2,) fp32
-
-    def cos_sin(self, positions, dtype):
-        # computed per step in fp32 from the positions, as HF does (a table would need max_model_len rows)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (num_tokens, 1, head_dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x, cos, sin):
-        # x (num_tokens, heads, head_dim); the "rotate half" convention of HF Llama checkpoints
-        out = kernels.rotary_cpu(x, cos, sin)  # bf16 on a CPU: one compiled loop; None elsewhere
-        if out is not None:
-            return out
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        inv_freq = rope_inv_freq(cfg) / (1.0 if divisors is None else divisors.float())  # (head_dim / 2,) fp32
+        angles = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]  # (max positions, head_dim / 2)
+        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)  # (max positions, head_dim)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.sizes = list(merged_parts(cfg)["qkv_proj"].values())  # rows of q, k and v in qkv_proj
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)  # q, k, v stacked: one matmul
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # Qwen3 normalises each head's q and k before the rotary embedding
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos_sin, kv_cache, meta: BatchMetadata):
+    def forward(self, x, rope, kv_cache, meta: BatchMetadata):
         num_tokens = x.shape[0]
-        qkv = kernels.project(x, self.q_proj, self.k_proj, self.v_proj)  # one matmul where the weights are fused (a CPU)
-        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, *cos_sin), Rotary.apply(k, *cos_sin)
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in self.qkv_proj(x).split(self.sizes, dim=-1))  # (T, H | Hkv | Hkv, D)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
+        q, k = kernels.rotary(q, k, rope, *norms)  # Qwen3's q/k norm (where it has one) and the rotary embedding: one op
         k_cache, v_cache = kv_cache  # each (num_blocks, block_size, Hkv, D)
         # write first, then attend: attention reads the cached prefix and the new tokens alike from the cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -695,13 +679,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)  # gate, up stacked: one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = kernels.project(x, self.gate_proj, self.up_proj)  # one matmul where the weights are fused (a CPU)
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))  # SwiGLU: silu(gate) * up, one op
 
 
 class DecoderLayer(nn.Module):
@@ -712,14 +694,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """x: the last block's output, not yet added to the residual stream; each norm adds it (fused)."""
+        x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class Model(nn.Module):
     """Llama-style decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat, unpadded token batch.
-    Parameter names match HF checkpoints, so a HF state dict loads as is."""
+    Parameter names are HF's, but for q/k/v and gate/up, held as one weight each (qkv_proj, gate_up_proj):
+    load_model stacks a HF checkpoint's tensors into them (merge_projections)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -735,14 +720,16 @@ class Model(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, meta: BatchMetadata):
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
+        residual = torch.zeros_like(x)  # the residual stream: each layer's norms add their input to it
+        rope = self.rotary.cos_sin[positions]  # (num_tokens, head_dim) fp32: cos | sin, shared by every layer
         # the CPU attention's plan, shared by every layer too (which rows decode, and how: compiled loops or torch groups); None on Triton
         k_cache = kv_caches[0][0]
         meta.attn_plan = kernels.plan_paged_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], self.cfg.num_kv_heads, k_cache.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta)
-        x = x[meta.logits_indices]  # only the rows that will be sampled: (num_sampled, hidden)
-        return self.lm_head(self.model.norm(x))  # (num_sampled, vocab), the model's dtype: the sampler upcasts what needs fp32
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        if not meta.decode_only:  # only the rows that will be sampled (a decode samples every row): (num_sampled, hidden)
+            x, residual = x[meta.logits_indices], residual[meta.logits_indices]
+        return self.lm_head(self.model.norm(x, residual)[0])  # (num_sampled, vocab), the model's dtype: the sampler upcasts what needs fp32
 
 
 # ---- Loading ----
@@ -791,12 +778,13 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    if tp is not None:  # hook (tp.py): this rank's slices of the checkpoint's tensors, to be copied into an empty model
+        state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
+        model = model.to_empty(device=device)
+    state = merge_projections(state, cfg)  # q/k/v and gate/up stacked (this rank's slices of each, under tp)
     if tp is None:  # the checkpoint's tensors become the parameters: one copy on the device, a tied tensor once
         moved = {i: v.to(device, dtype) for i, v in {id(v): v for v in state.values()}.items()}
         state = {k: moved[id(v)] for k, v in state.items()}
-    else:  # hook (tp.py): this rank's slices of the checkpoint's tensors, copied into an empty model
-        state = {k: tp.shard(k, v, cfg) for k, v in state.items()}
-        model = model.to_empty(device=device)
     model.rotary = Rotary(cfg, rope_freqs).to(device)  # not in the checkpoint (but for rope_freqs); its frequencies stay fp32
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
@@ -808,6 +796,25 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         tp.parallelize(model, cfg)  # hook (tp.py): the all-reduces and the logits gather
     kernels.pack_linears_cpu(model)  # a CPU: weights in oneDNN's layout, once; elsewhere nothing
     return model, tokenizer, cfg, hf_config
+
+
+def merged_parts(cfg: ModelConfig):
+    """The model's merged projections: the checkpoint tensors stacked into each, in order, with their rows."""
+    q, kv, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"qkv_proj": {"q_proj": q, "k_proj": kv, "v_proj": kv}, "gate_up_proj": {"gate_proj": i, "up_proj": i}}
+
+
+def merge_projections(state, cfg: ModelConfig):
+    """A HF state dict's q/k/v and gate/up tensors (weights and biases) stacked along their rows into the
+    model's qkv_proj and gate_up_proj, as vLLM's QKVParallelLinear and MergedColumnParallelLinear load them.
+    A layer missing one of them keeps its tensors as they are (load_state_dict then names what is missing)."""
+    for merged, parts in merged_parts(cfg).items():
+        first = next(iter(parts))
+        for name in [k for k in state if f".{first}." in k]:
+            names = [name.replace(f".{first}.", f".{part}.") for part in parts]
+            if all(n in state for n in names):
+                state[name.replace(f".{first}.", f".{merged}.")] = torch.cat([state.pop(n) for n in names])
+    return state
 
 
 def _load_hf_weights(path, tp=None):
@@ -1446,6 +1453,9 @@ def check_checkpoint(path, cfg, hf_config, state):
                 raise ValueError(f"config.json says tie_word_embeddings false, but the checkpoint in {path!r} has no lm_head.weight")
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    for merged, parts in merged_parts(cfg).items():  # the checkpoint holds the merged projections' parts
+        for name in [k for k in shapes if f".{merged}." in k]:
+            shapes |= {name.replace(merged, part): (rows, *shapes[name][1:]) for part, rows in parts.items()}
     shape = lambda t: tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)  # noqa: E731
     if wrong := [f"{k} {shape(v)} (the config's {shapes[k]})" for k, v in state.items() if k in shapes and shape(v) != shapes[k]]:
         raise ValueError(f"checkpoint does not match the sizes of its {type(hf_config).__name__}: {', '.join(wrong[:3])}")
@@ -1833,7 +1843,8 @@ def capture_cuda_graphs(llm, force=False):
         with kernels._on_device(llm.kv_pool):  # the pool's CUDA device made current (a no-op on a CPU)
             return _capture_buckets(llm)
     except Exception as e:  # e.g. out of memory, or a kernel that does not compile: the engine still runs, eagerly
-        warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); every step runs eagerly")
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {first_line}); every step runs eagerly", stacklevel=2)
         return None
 
 
@@ -1848,7 +1859,7 @@ def _capture_buckets(llm):
     for b in reversed(graph_batch_sizes(n)):
         static = {k: v[:b] for k, v in buffers.items()}
         meta = BatchMetadata(query_start_loc=query_start_loc[: b + 1], seq_lens=static["seq_lens"], slot_mapping=static["slot_mapping"],
-                             block_tables=static["block_tables"], logits_indices=rows[:b])
+                             block_tables=static["block_tables"], logits_indices=rows[:b], decode_only=True)
         static["meta"] = meta  # a graph reads its inputs at replay from the addresses it saw: they must outlive it
         model = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
         run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731 (one logits buffer for all: not one per graph)
@@ -1857,6 +1868,9 @@ def _capture_buckets(llm):
         pool = graph.pool()
         graphs[b] = (graph, static, out)
     llm.stats.graph_capture_seconds = time.perf_counter() - start
+    if dev.type == "cuda":
+        print(f"nanobatch: captured {len(graphs)} CUDA graphs (decode batches of 1 to {n}) in {llm.stats.graph_capture_seconds:.1f} s",
+              file=sys.stderr)
     return graphs
 
 

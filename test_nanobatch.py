@@ -716,8 +716,9 @@ def test_gguf_load_equals_transformers(default_llm, default_hf, monkeypatch):
         assert getattr(default_llm.hf_config, key) == getattr(model.config, key), key
     monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)  # the tensors as read, not packed for oneDNN
     ours = nanobatch.load_model(nanobatch.default_model_path(), torch.float32, "cpu")[0].state_dict()
-    theirs = model.state_dict()
-    assert len(theirs) == 273 and set(ours) == set(theirs)
+    assert len(model.state_dict()) == 273
+    theirs = nanobatch.merge_projections(model.state_dict(), default_llm.model_config)  # q/k/v and gate/up stacked, as ours
+    assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
     mine = default_llm.tokenizer
@@ -849,12 +850,7 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, sca
     weight = torch.randn(2 * half, generator=g).bfloat16()
     angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    kernels.USE_CPU_LOOPS = False  # (not monkeypatch: hypothesis reruns the body within one test call)
-    try:
-        want_rot = nanobatch.Rotary.apply(x, cos, sin)
-        want_norm = nanobatch.RMSNorm.forward(types.SimpleNamespace(weight=weight, eps=1e-6), x)
-    finally:
-        kernels.USE_CPU_LOOPS = True
+    want_rot, want_norm = kernels._rotate(x, cos, sin), kernels.rms_norm_ref(x, weight, 1e-6)  # the torch ops
     rot = kernels.rotary_cpu(x, cos, sin)
     assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
     assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
@@ -2411,14 +2407,20 @@ def test_paged_attention_empty_batch(impl):
     block_size=st.sampled_from([1, 16, 64]),
     kv_group_dim=st.sampled_from([(2, 4, 32), (1, 8, 64), (3, 1, 16)]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    min_keys=st.sampled_from([16, kernels.MIN_SEGMENT_KEYS]),
     seed=st.integers(0, 2**31),
 )
-def test_split_kv_decode_matches_naive(seqs, segments, block_size, kv_group_dim, dtype, seed):
+def test_split_kv_decode_matches_naive(seqs, segments, block_size, kv_group_dim, dtype, min_keys, seed):
     """Split-KV: long contexts with few sequences, short ones whose last segments see no key (16 segments
-    over a few keys), NaN in every unused cache slot; the merge must give naive attention."""
+    over a few keys, or sequences too short to fill min_keys in more than one or two), NaN in every unused
+    cache slot; the merge must give naive attention."""
     num_kv_heads, group, head_dim = kv_group_dim
     case = Case(seqs, block_size, num_kv_heads, group, head_dim, dtype, seed=seed, temperature=4.0)
-    check_attention(functools.partial(kernels.paged_attention_triton, segments=segments), case)
+    saved, kernels.MIN_SEGMENT_KEYS = kernels.MIN_SEGMENT_KEYS, min_keys  # (not monkeypatch: hypothesis reruns the body)
+    try:
+        check_attention(functools.partial(kernels.paged_attention_triton, segments=segments), case)
+    finally:
+        kernels.MIN_SEGMENT_KEYS = saved
 
 
 def test_split_kv_with_prefill_rows_and_bad_segments():
@@ -2495,6 +2497,100 @@ def test_store_kv_writes_exactly_its_slots(impl, num_tokens, num_kv_heads, head_
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     impl(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+
+
+
+# -- The layer's small ops: RMSNorm + residual, SiLU * up, q/k norm + rotary --
+# The Triton kernels against their plain-torch references, which round where HF's model code rounds: fp32
+# math inside, so in 16 bits a value may land one rounding step apart where a sum of squares adds in another
+# order (ULPS); the residual add and the rotary products round identically.
+
+# The interpreter rounds fp32 -> bf16 toward zero (a GPU, and torch, to nearest even), so there bf16 is a rounding apart too.
+
+ULPS = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}  # relative tolerance: two roundings
+
+
+def assert_rounding_close(got, want):
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULPS[want.dtype], atol=ULPS[want.dtype] * want.float().abs().max().item())
+
+
+def assert_rounded_alike(got, want):
+    """Equal bit for bit, but for the interpreter's bf16 (rounded toward zero)."""
+    if kernels.TRITON_INTERPRET and want.dtype == torch.bfloat16:
+        return assert_rounding_close(got, want)
+    assert torch.equal(got, want)
+
+
+@PROPERTY
+@given(rows=st.integers(1, 40), dim=st.integers(1, 300), residual=st.booleans(), scale=st.sampled_from([0.01, 1.0, 30.0]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+def test_rms_norm_triton_matches_the_reference(rows, dim, residual, scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, r = ((torch.randn(rows, dim, generator=g) * scale).to(dtype) for _ in range(2))
+    weight = torch.randn(dim, generator=g).to(dtype)
+    if not residual:
+        assert_rounding_close(kernels.rms_norm_triton(x.to(DEVICE), weight.to(DEVICE), 1e-6).cpu(), kernels.rms_norm_ref(x, weight, 1e-6))
+        return
+    want, want_residual = kernels.rms_norm_ref(x, weight, 1e-6, r)
+    stream = r.to(DEVICE)
+    got, got_residual = kernels.rms_norm_triton(x.to(DEVICE), weight.to(DEVICE), 1e-6, stream)
+    assert got_residual is stream
+    assert_rounded_alike(stream.cpu(), want_residual)  # x + residual, written in place, as HF rounds it
+    assert_rounding_close(got.cpu(), want)
+
+
+@PROPERTY
+@given(rows=st.integers(1, 40), width=st.integers(1, 1500), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       seed=st.integers(0, 2**31))
+def test_silu_and_mul_triton_matches_the_reference(rows, width, dtype, seed):
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(seed)) * 4).to(dtype)
+    assert_rounding_close(kernels.silu_and_mul_triton(gate_up.to(DEVICE)).cpu(), kernels.silu_and_mul_ref(gate_up))
+
+
+@PROPERTY
+@given(tokens=st.integers(1, 24), kv_heads=st.integers(1, 3), group=st.integers(1, 3), half=st.sampled_from([1, 4, 20, 32, 64]),
+       qk_norm=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+def test_rotary_triton_matches_the_reference(tokens, kv_heads, group, half, qk_norm, dtype, seed):
+    """q and k as the model has them, strided views of one qkv row per token, rotated in place; v untouched."""
+    g = torch.Generator().manual_seed(seed)
+    heads, head_dim = kv_heads * group, 2 * half
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    angles = torch.randint(0, 4096, (tokens, 1), generator=g) * torch.rand(1, half, generator=g)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (tokens, head_dim) fp32, as Rotary's table rows
+    norms = (torch.randn(head_dim, generator=g).to(dtype), torch.randn(head_dim, generator=g).to(dtype), 1e-6) if qk_norm else ()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = kernels.rotary_ref(q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), rope, *norms)
+    got = qkv.to(DEVICE)
+    gq, gk, gv = got.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    out_q, out_k = kernels.rotary_triton(gq.view(tokens, heads, head_dim), gk.view(tokens, kv_heads, head_dim), rope.to(DEVICE),
+                                         *[n.to(DEVICE) if torch.is_tensor(n) else n for n in norms])
+    assert out_q.data_ptr() == gq.data_ptr() and torch.equal(gv.cpu(), v)  # in place; v untouched
+    check = assert_rounding_close if qk_norm else assert_rounded_alike  # no sum of squares: rounded as the reference
+    check(gq.reshape(tokens, heads, head_dim).cpu(), want_q)
+    check(gk.reshape(tokens, kv_heads, head_dim).cpu(), want_k)
+
+
+def test_a_decode_step_launches_at_most_ten_kernels_a_layer():
+    """`bench.py --launches`: the GPU code path's decode step, counted on a CPU (Triton interpreted): a Qwen3 layer
+    (q/k norm) is add+norm, qkv, q/k norm + rotary, store_kv, attention, o, add+norm, gate_up, silu*up, down."""
+    import bench
+
+    launches = bench.count_launches()
+    assert launches["per_layer"] == 10 <= bench.LAUNCH_GOAL_PER_LAYER, launches["ops"]["layer"]
+    assert launches["ops"]["layer"]["linear"] == 4 * bench.TINY_QWEN3_SHAPE["num_hidden_layers"]  # merged qkv and gate_up
+    assert launches["outside_layers"] <= 5 and not launches["host_syncs"], launches
+    assert not kernels.USE_TRITON_ON_CPU and kernels.USE_CPU_LOOPS  # the switches are back
+
+def test_small_op_kernels_reject_what_they_cannot_do():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="residual must be a contiguous"):
+        kernels.rms_norm_triton(x, torch.ones(8), 1e-6, torch.randn(3, 8).half())
+    with pytest.raises(ValueError, match="weight must be"):
+        kernels.rms_norm_triton(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="even head_dim"):
+        kernels.rotary_triton(torch.randn(2, 2, 5), torch.randn(2, 1, 5), torch.randn(2, 5))
+    with pytest.raises(ValueError, match="rope must be float32"):
+        kernels.rotary_triton(torch.randn(2, 2, 4), torch.randn(2, 1, 4), torch.randn(2, 4).half())
 
 
 # -- Clear errors --
@@ -3074,6 +3170,32 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
     check_graphs_equal_eager(llm)
     assert {1, 2, 4, 8, 12} <= set(replayed), "decode steps of every bucket replayed"
 
+
+def test_graph_replay_with_triton_and_split_kv_on_a_cpu(tiny_models, monkeypatch):
+    """The graph path as an H100 runs it, on a CPU: every kernel Triton's (interpreted), the device facts of an H100
+    (132 SMs, so small decode batches split their keys), the graphs' max_model_len-wide block tables, and the
+    split-KV merge inside the replayed step. Tokens equal the eager engine's and logprobs agree to rounding (fp32)."""
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
+    monkeypatch.setattr(kernels, "_device_facts", lambda device: (90, 132))
+    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=48, block_size=8, max_num_seqs=3, **CPU)
+    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run()))
+    llm.cuda_graphs = nanobatch.capture_cuda_graphs(llm, force=True)
+    replayed, splits = [], []
+    for b, (graph, static, logits) in llm.cuda_graphs.items():
+        model_call = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"])
+        graph.replay = lambda b=b, model_call=model_call, logits=logits: replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+    num_segments = kernels.num_segments
+    monkeypatch.setattr(kernels, "num_segments", lambda *a, **kw: (n := num_segments(*a, **kw), splits.append(n))[0])
+    prompts = [list(range(10, 15)), list(range(200, 209)), list(range(500, 520))]  # small: the interpreter is slow
+    params = [SamplingParams(max_tokens=n, logprobs=2, **GREEDY) for n in (2, 3, 4)]  # the batch shrinks: 3, 2, then 1
+    with_graphs = llm.generate(prompts, params, use_tqdm=False)
+    assert set(replayed) == {1, 2, 3} and max(splits) > 1, (replayed, splits)  # every bucket replayed, split-KV inside
+    llm.reset_prefix_cache()
+    llm.cuda_graphs = None
+    for g, e in zip(with_graphs, llm.generate(prompts, params, use_tqdm=False)):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for got, want in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in got.items()} == pytest.approx({t: p.logprob for t, p in want.items()}, abs=1e-4)
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
