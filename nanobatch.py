@@ -56,7 +56,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+if __package__:  # installed (pip): the package's own kernels, never another distribution's `kernels`
+    from . import kernels
+else:  # the files side by side: a checkout, or nanobatch.py + kernels.py copied
+    import kernels
 
 
 # ---- Config ----
@@ -2540,7 +2543,10 @@ def start_tensor_parallel(config: EngineConfig):
         return None
     sys.modules.setdefault("nanobatch", sys.modules[__name__])  # run as a script this module is __main__: tp.py's `import nanobatch` must find it
     try:
-        import tp
+        if __package__:
+            from . import tp
+        else:
+            import tp
     except ModuleNotFoundError as e:
         if e.name != "tp":  # tp.py is there but something it imports is not: that error says more
             raise
@@ -2670,8 +2676,11 @@ def run_cli(args, parser):
         # run as a script this module is __main__: server.py's `import nanobatch` must find it, not load
         # a second copy whose SamplingParams the engine's isinstance checks would refuse
         sys.modules.setdefault("nanobatch", sys.modules[__name__])
-        try:
-            import server  # the web stack loads only here
+        try:  # the web stack loads only here
+            if __package__:
+                from . import server
+            else:
+                import server
         except ModuleNotFoundError as e:  # nanobatch.py copied alone, or the web stack not installed
             where = "server.py next to nanobatch.py" if e.name == "server" else f"{e.name} (pip install -r requirements.txt)"
             raise ValueError(f"--serve needs {where}") from None
