@@ -4565,11 +4565,14 @@ def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
 
 
 def test_pyproject_builds_an_installable_wheel(tmp_path):
-    """`pip install .` / `pip install git+<url>`: the four modules at top level and the `nanobatch` command."""
+    """`pip install .` / `pip install git+<url>`: one package, `nanobatch` (nothing named kernels, tp or server at
+    top level: Hugging Face's `kernels` is another distribution's import name), and the `nanobatch` command."""
+    import shutil
     import zipfile
 
-    for name in ("pyproject.toml", "README.md", "nanobatch.py", "kernels.py", "tp.py", "server.py"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "nanobatch.py", "kernels.py", "tp.py", "server.py"):
         os.symlink(os.path.join(HERE, name), tmp_path / name)  # a copy: the build writes build/ next to its sources
+    shutil.copytree(os.path.join(HERE, "src"), tmp_path / "src", symlinks=True)  # its links point at the files above
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tmp_path), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -4577,5 +4580,9 @@ def test_pyproject_builds_an_installable_wheel(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert {"nanobatch.py", "kernels.py", "tp.py", "server.py"} <= set(names)
+        init = z.read("nanobatch/__init__.py").decode()
+    assert {"nanobatch/__init__.py", "nanobatch/__main__.py", "nanobatch/kernels.py", "nanobatch/tp.py", "nanobatch/server.py"} <= set(names)
+    assert [n for n in names if "/" not in n] == []  # no top-level module
+    with open(os.path.join(HERE, "nanobatch.py"), encoding="utf-8") as f:
+        assert init == f.read()  # the package is nanobatch.py itself
     assert "nanobatch = nanobatch:main" in entry_points
