@@ -1952,6 +1952,40 @@ class BlockTables:
         return torch.tensor(rows, dtype=torch.int64)
 
 
+class PinnedCopy:
+    """A step's host tensors to the GPU in one copy: packed into a pinned (page-locked) host buffer, moved by
+    one non-blocking transfer into a device buffer, handed back as views of it. From pageable memory each
+    small copy is staged and waited for by the host; six of them cost more than the one. Both buffers persist
+    (and grow); before the host buffer is written again, the last copy out of it must have landed (an event:
+    a step that samples nothing never synchronises). Elsewhere (a CPU) tensors pass through as they are."""
+
+    ALIGN = 16  # bytes: every tensor starts at a multiple of its element size
+
+    def __init__(self, device):
+        self.device, self.host, self.dev, self.copied = device, None, None, None
+
+    def __call__(self, *tensors):
+        if self.device.type != "cuda":
+            return [t.to(self.device) for t in tensors]
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        if self.host is None or self.host.numel() < total:
+            self.host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)  # (bytes,)
+            self.dev = torch.empty(2 * total, dtype=torch.uint8, device=self.device)  # (bytes,)
+        elif self.copied is not None:
+            self.copied.synchronize()
+        views = []
+        for t, start in zip(tensors, offsets):
+            size = t.numel() * t.element_size()
+            self.host[start : start + size].view(t.dtype).view(t.shape).copy_(t)
+            views.append(self.dev[start : start + size].view(t.dtype).view(t.shape))
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return views
+
 def freeze_gc_heap():
     """The step loop allocates every step, so Python's cyclic GC runs often, and a full collection walks
     every object it tracks: after loading torch, transformers, a model and its tokenizer, hundreds of
