@@ -333,6 +333,8 @@ class SystemResult:
     prefix_hit_rate: float | None = None  # prompt tokens served from the prefix cache / prompt tokens
     num_same_outputs: int | None = None  # requests whose output equals the first greedy system's (all, up to numerics)
     skipped: str | None = None  # why the system did not run
+    load: tuple[float, float] | None = None  # the machine's 1-minute load average before and after the run
+    others_cores: float | None = None  # cores' worth of CPU time other processes took during the run (MachineLoad)
 
     @property
     def output_tokens_per_s(self):
@@ -404,13 +406,13 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
     print(f"[{name}] warm-up ...", file=sys.stderr, flush=True)
     run_fn(warmup)
     print(f"[{name}] {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
-    with PeakMemory(device) as memory:
+    with MachineLoad() as load, PeakMemory(device) as memory:
         run = run_fn(workload)
     short = [i for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens)) if len(ids) != n and (exact or len(ids) > n)]
     if short:
         i = short[0]
         raise RuntimeError(f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)")
-    result = SystemResult(name, run.seconds, sum(map(len, run.output_ids)))
+    result = SystemResult(name, run.seconds, sum(map(len, run.output_ids)), load=load.averages, others_cores=load.others_cores)
     if memory.peak_bytes is not None:
         result.peak_memory_bytes = memory.peak_bytes + run.extra_memory_bytes
     if run.ttfts:
@@ -951,7 +953,8 @@ def run_vllm(args, model_path, workload, device, results, runs):
         with open(script, "w") as f:
             f.write(VLLM_SCRIPT)
         print(f"[vllm] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
-        done = subprocess.run([args.vllm_python, script, job, result], env=vllm_env(args.vllm_python) if device.type == "cpu" else None)
+        with MachineLoad() as load:  # (vLLM's warm-up inside: its share is its own, its children's CPU time)
+            done = subprocess.run([args.vllm_python, script, job, result], env=vllm_env(args.vllm_python) if device.type == "cpu" else None)
         if done.returncode != 0:
             results.append(SystemResult("vllm", skipped=f"{args.vllm_python} exited with status {done.returncode} (its messages are above)"))
             return workload
@@ -960,7 +963,7 @@ def run_vllm(args, model_path, workload, device, results, runs):
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"[vllm] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
-    results.append(SystemResult("vllm", out["seconds"], sum(map(len, out["output_ids"]))))
+    results.append(SystemResult("vllm", out["seconds"], sum(map(len, out["output_ids"])), load=load.averages, others_cores=load.others_cores))
     runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
     return workload
 
@@ -1440,6 +1443,47 @@ def cell(x, width, spec, scale=1, suffix=""):
     return format("-" if x is None else format(x * scale, spec) + suffix, f">{width}")
 
 
+class MachineLoad:
+    """Whether anything else ran during a measured run: the 1-minute load average before and after (it lags, and counts
+    bench's own warm-up), and, exactly, the CPU time other processes took meanwhile: the machine's busy time
+    (/proc/stat) less this process's and its children's, in cores (0.25: a quarter of a core busy elsewhere)."""
+
+    BUSY_CORES = 0.25  # more than this, and the row ran on a shared machine: slower than alone
+
+    def __enter__(self):
+        self.load_before, self.wall, self.busy, self.own = os.getloadavg()[0], time.perf_counter(), self.machine_busy(), self.own_cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.averages = (self.load_before, os.getloadavg()[0])
+        wall, busy = time.perf_counter() - self.wall, self.machine_busy()
+        self.others_cores = None if busy is None else max(0.0, (busy - self.busy) - (self.own_cpu() - self.own)) / wall
+
+    @staticmethod
+    def machine_busy():
+        try:
+            with open("/proc/stat") as f:
+                user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        except (OSError, ValueError):
+            return None  # not Linux: the load averages only
+        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def own_cpu():
+        import resource
+
+        return time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+
+
+def format_load(results):
+    """The machine's load around each system's run: other processes' CPU time, and the load averages."""
+    rows = [f"{r.name} {r.load[0]:.1f} -> {r.load[1]:.1f}" + ("" if r.others_cores is None else f" (others {r.others_cores:.2f} cores)")
+            for r in results if r.load]
+    busy = [r.name for r in results if r.others_cores is not None and r.others_cores > MachineLoad.BUSY_CORES]
+    return (f"load average before -> after each run, and the CPU other processes took during it ({os.cpu_count()} cores): " + ", ".join(rows)
+            + (f"; BUSY during {', '.join(busy)}: other processes took CPU time, those rows are slower than alone" if busy else ""))
+
+
 def format_table(results, workload, reference="nanobatch"):
     ref = next((r.output_tokens_per_s for r in results if r.name == reference and r.seconds), None)
     header = (f"{'system':<26} {'out tok/s':>9} {'seconds':>8} {'vs nanobatch':>12} {'peak MiB':>9} "
@@ -1858,6 +1902,7 @@ def main(args):
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, max_model_len {args.max_model_len or 'the model limit'}"
           + (" (nano-vllm's benchmark settings: the GPU defaults)" if device.type == "cuda" and args.workload == "random" else "") + "\n")
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
+    print(format_load(results))
     if reference:
         extra["same_out_reference"] = reference
         print(f"same out: requests whose output tokens equal {reference}'s (the first greedy system)")

@@ -4433,6 +4433,21 @@ def test_bench_counts_truncated_json_as_invalid(monkeypatch):
     assert [bench.valid_json(text, schema) for text, _ in cases] == [True, False, True, False]
 
 
+def test_bench_sees_the_cpu_other_processes_take():
+    """bench.py says when a row ran on a busy machine: another process spinning during a run shows as its core."""
+    import bench
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 2\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # (the interpreter starting)
+        with bench.MachineLoad() as load:
+            time.sleep(1.0)
+    finally:
+        spinner.wait()
+    assert load.others_cores > 0.5 and len(load.averages) == 2
+    line = bench.format_load([bench.SystemResult("nanobatch", 1.0, 10, load=load.averages, others_cores=load.others_cores)])
+    assert "BUSY during nanobatch" in line
+
 # ---- CLI ----
 
 
