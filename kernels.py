@@ -71,13 +71,14 @@ RuntimeError that says so.
 Sections, in reading order: imports and switches / shape checks / plain-torch references (the
 rule itself; then the layer's small ops) / Triton store_kv / Triton small ops / Triton paged_attention (and
 the split-KV merge) / tiles per GPU and when to split, with the wrapper / compiled for any GPU on a CPU /
-dispatch (what nanobatch.py calls, plan_paged_attention included). Then, under a banner, the CPU fast paths, which a learner may skip:
-the CPU attention (a plan per step; decode rows by compiled loops or batched torch ops), the greedy
-argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype, weight packing,
-greedy tokens, top-p by rejection).
+dispatch (what nanobatch.py calls, plan_paged_attention included). Then, under a banner, the CPU fast paths,
+which a learner may skip: the CPU attention (a plan per step; decode rows by compiled loops or batched
+torch ops), the greedy argmax, the bf16 RMSNorm and rotary loops, and the engine's other CPU hooks (dtype,
+weight packing, greedy tokens, top-p by rejection).
 The interpreter rounds fp32 -> bf16 toward zero where a GPU rounds to nearest even: under it, bf16 results
 of the small ops are a rounding step from the references' (the tests allow exactly that).
-Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels or triton" (it sets TRITON_INTERPRET=1 without a GPU)
+Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernels or triton"
+(it sets TRITON_INTERPRET=1 without a GPU)
 """
 
 import contextlib
@@ -123,7 +124,12 @@ USE_TRITON_ON_CPU = os.environ.get("NANOBATCH_TRITON_ON_CPU", "0") == "1"
 # when installed) rather than torch ops. Set it here, or start with NANOBATCH_CPU_LOOPS=0 to use the torch ops.
 USE_CPU_LOOPS = os.environ.get("NANOBATCH_CPU_LOOPS", "1") == "1"
 # Whether the kernels below were decorated as interpreted (CPU) functions.
-TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in (
+    "1",
+    "true",
+    "on",
+    "yes",
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the fp32 accumulator (BLOCK_M, head_dim) must fit in registers
@@ -134,51 +140,113 @@ MAX_HEAD_DIM = 256  # the fp32 accumulator (BLOCK_M, head_dim) must fit in regis
 
 def _check_store_kv(k, v, k_cache, v_cache, slot_mapping):
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"store_kv: k and v must both be (num_tokens, num_kv_heads, head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            "store_kv: k and v must both be (num_tokens, num_kv_heads, head_dim), "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"store_kv: caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"store_kv: caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"store_kv: slot_mapping must be int64 of shape ({k.shape[0]},), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES or v.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"store_kv: k, v and the caches must be float32, float16 or bfloat16 (both caches alike), got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"store_kv: slot_mapping must be int64 of shape ({k.shape[0]},), "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if (
+        k_cache.dtype != v_cache.dtype
+        or k_cache.dtype not in _FLOAT_DTYPES
+        or k.dtype not in _FLOAT_DTYPES
+        or v.dtype not in _FLOAT_DTYPES
+    ):
+        raise ValueError(
+            "store_kv: k, v and the caches must be float32, float16 or bfloat16 (both caches alike), "
+            f"got {k.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     _check_same_device("store_kv", k, v, k_cache, v_cache, slot_mapping)
 
 
 def _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_attention: q must be (num_tokens, num_heads, head_dim) and both caches (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            "paged_attention: q must be (num_tokens, num_heads, head_dim) and both caches "
+            "(num_blocks, block_size, num_kv_heads, head_dim), "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"paged_attention: {num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} kv heads of dim {k_cache.shape[3]}")
+        raise ValueError(
+            f"paged_attention: {num_heads} query heads of dim {head_dim} "
+            f"do not fit {num_kv_heads} kv heads of dim {k_cache.shape[3]}"
+        )
     if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_attention: q and both caches must share one dtype out of float32, float16, bfloat16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            "paged_attention: q and both caches must share one dtype out of float32, float16, bfloat16, "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     num_seqs = seq_lens.shape[0]
-    if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"paged_attention: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and query_start_loc {tuple(query_start_loc.shape)} disagree on num_seqs")
+    if (
+        seq_lens.dim() != 1
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != num_seqs
+        or query_start_loc.shape != (num_seqs + 1,)
+    ):
+        raise ValueError(
+            f"paged_attention: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} "
+            f"and query_start_loc {tuple(query_start_loc.shape)} disagree on num_seqs"
+        )
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.dtype != torch.int32:
             raise ValueError(f"paged_attention: {name} must be int32, got {t.dtype}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"paged_attention: out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got {tuple(out.shape)}, {out.dtype}, {out.device}")
+        raise ValueError(
+            f"paged_attention: out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
     _check_same_device("paged_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
 
 
 def _check_rows(name, x, weight=None, residual=None):
     if x.dtype not in _FLOAT_DTYPES or x.dim() < 2:
-        raise ValueError(f"{name}: x must be float32, float16 or bfloat16 rows (..., dim), got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: x must be float32, float16 or bfloat16 rows (..., dim), got {x.dtype} {tuple(x.shape)}"
+        )
     if weight is not None and (weight.shape != x.shape[-1:] or weight.device != x.device):
-        raise ValueError(f"{name}: weight must be ({x.shape[-1]},) on {x.device}, got {tuple(weight.shape)} on {weight.device}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"{name}: residual must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+        raise ValueError(
+            f"{name}: weight must be ({x.shape[-1]},) on {x.device}, got {tuple(weight.shape)} on {weight.device}"
+        )
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError(
+            f"{name}: residual must be a contiguous {x.dtype} tensor of x's shape {tuple(x.shape)}, "
+            f"got {residual.dtype} {tuple(residual.shape)}"
+        )
 
 
 def _check_rotary(q, k, rope, q_norm, k_norm):
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2 or q.dtype != k.dtype:
-        raise ValueError(f"rotary: q and k must be (num_tokens, heads, head_dim) of one dtype with an even head_dim, got {tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}")
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] != k.shape[2]
+        or q.shape[2] % 2
+        or q.dtype != k.dtype
+    ):
+        raise ValueError(
+            "rotary: q and k must be (num_tokens, heads, head_dim) of one dtype with an even head_dim, "
+            f"got {tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}"
+        )
     if rope.shape != (q.shape[0], q.shape[2]) or rope.dtype != torch.float32:
-        raise ValueError(f"rotary: rope must be float32 ({q.shape[0]}, {q.shape[2]}) (cos | sin per token), got {rope.dtype} {tuple(rope.shape)}")
-    if (q_norm is None) != (k_norm is None) or (q_norm is not None and not q_norm.shape == k_norm.shape == (q.shape[2],)):
+        raise ValueError(
+            f"rotary: rope must be float32 ({q.shape[0]}, {q.shape[2]}) (cos | sin per token), "
+            f"got {rope.dtype} {tuple(rope.shape)}"
+        )
+    if (q_norm is None) != (k_norm is None) or (
+        q_norm is not None and not q_norm.shape == k_norm.shape == (q.shape[2],)
+    ):
         raise ValueError("rotary: q_norm and k_norm come together, each (head_dim,)")
     _check_same_device("rotary", q, k, rope)
 
@@ -197,12 +265,16 @@ def _on_device(t):
 def _check_triton(name, *tensors):
     """What the Triton kernels need beyond the shared checks."""
     if _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"{name}: triton is not installed ({_TRITON_IMPORT_ERROR}); use the *_ref functions or install triton")
+        raise RuntimeError(
+            f"{name}: triton is not installed ({_TRITON_IMPORT_ERROR}); use the *_ref functions or install triton"
+        )
     for t in tensors:
         if t.is_cuda:
             continue
         if not TRITON_INTERPRET:
-            raise RuntimeError(f"{name}: CPU tensors need TRITON_INTERPRET=1 in the environment before kernels.py is imported")
+            raise RuntimeError(
+                f"{name}: CPU tensors need TRITON_INTERPRET=1 in the environment before kernels.py is imported"
+            )
     for t in tensors:
         if t.dim() == 4 and t.stride(-1) != 1:  # caches are never copied: they are written in place
             raise ValueError(f"{name}: cache last dim (head_dim) must be contiguous, got strides {t.stride()}")
@@ -243,8 +315,12 @@ def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, sc
     qs = q[start : start + q_len].transpose(0, 1)[None]  # (1, H, Q, D)
     if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # after a cached prefix: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    else:
+        # after a cached prefix: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
+        visible = (
+            torch.arange(seq_len, device=q.device)[None, :]
+            <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        )
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)  # (1, H, Q, D)
     out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
 
@@ -316,9 +392,13 @@ def _store_kv_kernel(
     k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim) written in place
     v_cache_ptr,  # same shape and strides as k_cache
     slot_mapping_ptr,  # (num_tokens,) int64: slot = block_id * block_size + offset, -1 = skip
-    stride_k_tok, stride_k_head,  # k strides (head_dim is contiguous)
-    stride_v_tok, stride_v_head,  # v strides
-    stride_c_block, stride_c_row, stride_c_head,  # cache strides, shared by k_cache and v_cache
+    stride_k_tok,
+    stride_k_head,  # k strides (head_dim is contiguous)
+    stride_v_tok,
+    stride_v_head,  # v strides
+    stride_c_block,
+    stride_c_row,
+    stride_c_head,  # cache strides, shared by k_cache and v_cache
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (constexpr: a power of two becomes a shift)
     HEAD_DIM: tl.constexpr,  # true head_dim
     HEAD_DIM_PADDED: tl.constexpr,  # next power of two (tl.arange needs one); extra lanes masked
@@ -343,7 +423,9 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
     _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     _check_triton("store_kv_triton", k, k_cache, v_cache)
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"store_kv_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+        raise ValueError(
+            f"store_kv_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -352,10 +434,21 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
     slot_mapping = slot_mapping.contiguous()  # read with unit stride
     with _on_device(k_cache):
         _store_kv_kernel[(num_tokens, num_kv_heads)](
-            k, v, k_cache, v_cache, slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
             num_warps=1,  # one row of at most 256 elements: a single warp covers it
         )
 
@@ -375,8 +468,11 @@ def _rms_norm_kernel(
     residual_ptr,  # (num_rows, dim) the residual stream; with HAS_RESIDUAL, x + residual is written back here
     weight_ptr,  # (dim,)
     out_ptr,  # (num_rows, dim) the normalised rows
-    stride_x, stride_r, stride_out,  # row strides (the last dim is contiguous)
-    dim, eps,
+    stride_x,
+    stride_r,
+    stride_out,  # row strides (the last dim is contiguous)
+    dim,
+    eps,
     HAS_RESIDUAL: tl.constexpr,  # add the residual first (vLLM's fused_add_rms_norm)
     BLOCK: tl.constexpr,  # next power of two >= dim; extra lanes masked
 ):
@@ -399,7 +495,8 @@ def _rms_norm_kernel(
 def _silu_and_mul_kernel(
     gate_up_ptr,  # (num_rows, 2 * width): gate's columns, then up's
     out_ptr,  # (num_rows, width)
-    stride_in, stride_out,  # row strides
+    stride_in,
+    stride_out,  # row strides
     width,
     BLOCK: tl.constexpr,  # columns per program
 ):
@@ -417,8 +514,13 @@ def _rotary_kernel(
     q_ptr,  # (num_tokens, num_heads, head_dim), rotated in place (a strided view of the qkv projection)
     k_ptr,  # (num_tokens, num_kv_heads, head_dim), likewise
     rope_ptr,  # (num_tokens, head_dim) fp32: cos | sin of each token's head_dim / 2 angles
-    q_norm_ptr, k_norm_ptr,  # (head_dim,) Qwen3's per-head RMSNorm weights (read only with HAS_NORM)
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_rope,
+    q_norm_ptr,
+    k_norm_ptr,  # (head_dim,) Qwen3's per-head RMSNorm weights (read only with HAS_NORM)
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_rope,
     eps,
     NUM_HEADS: tl.constexpr,  # query heads: programs 0..NUM_HEADS-1 along axis 1 take q, the rest k
     HALF: tl.constexpr,  # head_dim // 2: x1 is a head's first half, x2 its second
@@ -468,8 +570,20 @@ def rms_norm_triton(x, weight, eps, residual=None):
     if x.shape[0]:
         block = triton.next_power_of_2(shape[-1])
         with _on_device(x):
-            _rms_norm_kernel[(x.shape[0],)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), shape[-1], eps,
-                                            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block))
+            _rms_norm_kernel[(x.shape[0],)](
+                x,
+                r,
+                weight,
+                out,
+                x.stride(0),
+                r.stride(0),
+                out.stride(0),
+                shape[-1],
+                eps,
+                HAS_RESIDUAL=residual is not None,
+                BLOCK=block,
+                num_warps=_row_warps(block),
+            )
     out = out.view(shape)
     return out if residual is None else (out, residual)
 
@@ -483,8 +597,9 @@ def silu_and_mul_triton(gate_up):
     if rows:
         block = min(1024, triton.next_power_of_2(width))
         with _on_device(gate_up):
-            _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), width,
-                                                                    BLOCK=block, num_warps=_row_warps(block))
+            _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
+                gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block, num_warps=_row_warps(block)
+            )
     return out
 
 
@@ -493,15 +608,30 @@ def rotary_triton(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
     _check_rotary(q, k, rope, q_norm, k_norm)
     _check_triton("rotary_triton", q, k, rope)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError(f"rotary_triton: q and k are rotated in place, so their last dim must be contiguous, got strides {q.stride()} and {k.stride()}")
+        raise ValueError(
+            "rotary_triton: q and k are rotated in place, so their last dim must be contiguous, "
+            f"got strides {q.stride()} and {k.stride()}"
+        )
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens:
         half = head_dim // 2
         norm = (q_norm, k_norm) if q_norm is not None else (rope, rope)  # (never read without HAS_NORM)
         with _on_device(q):
             _rotary_kernel[(num_tokens, num_heads + k.shape[1])](
-                q, k, rope, *norm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), rope.stride(0), eps,
-                NUM_HEADS=num_heads, HALF=half, HALF_PADDED=triton.next_power_of_2(half), HAS_NORM=q_norm is not None,
+                q,
+                k,
+                rope,
+                *norm,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                rope.stride(0),
+                eps,
+                NUM_HEADS=num_heads,
+                HALF=half,
+                HALF_PADDED=triton.next_power_of_2(half),
+                HAS_NORM=q_norm is not None,
                 num_warps=1,  # a head of at most 256 values: one warp
             )
     return q, k
@@ -552,11 +682,16 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # (num_seqs + 1,) int32: sequence s owns q rows [start[s], start[s+1])
     num_seqs,  # sequences in the batch
     qk_scale,  # softmax scale * log2(e): scores live in base 2 so that exp2 does the softmax
-    stride_q_tok, stride_q_head,  # q strides (head_dim is contiguous)
-    stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
-    stride_c_block, stride_c_row, stride_c_head,  # cache strides, shared by k_cache and v_cache
+    stride_q_tok,
+    stride_q_head,  # q strides (head_dim is contiguous)
+    stride_o_tok,
+    stride_o_head,  # out strides (head_dim is contiguous)
+    stride_c_block,
+    stride_c_row,
+    stride_c_head,  # cache strides, shared by k_cache and v_cache
     stride_bt_seq,  # block_tables row stride
-    part_m_ptr, part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32 split-KV scratch (unused when NUM_SEGMENTS == 1)
+    part_m_ptr,
+    part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32 split-KV scratch (unused when NUM_SEGMENTS == 1)
     part_acc_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED) fp32 split-KV scratch
     num_heads,  # query heads: the row stride of the scratch
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size: num_heads // num_kv_heads
@@ -566,8 +701,10 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # packed (token, head) rows per tile: power of two >= 16
     BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // NUM_QUERIES_PER_KV
     TILE_N: tl.constexpr,  # keys per step of the key loop: power of two >= 16
-    DOT_IN_FP32: tl.constexpr,  # run both dots on fp32 operands: fp32 caches (IEEE, not TF32), or bf16 under the interpreter
-    NUM_SEGMENTS: tl.constexpr,  # 1, or split-KV: segments per sequence (the third grid axis), merged by _merge_segments_kernel
+    # run both dots on fp32 operands: fp32 caches (IEEE, not TF32), or bf16 under the interpreter
+    DOT_IN_FP32: tl.constexpr,
+    # 1, or split-KV: segments per sequence (the third grid axis), merged by _merge_segments_kernel
+    NUM_SEGMENTS: tl.constexpr,
     MIN_KEYS: tl.constexpr,  # split-KV: fewest keys a segment takes (MIN_SEGMENT_KEYS, a multiple of TILE_N)
 ):
     q_block = tl.program_id(0)
@@ -624,17 +761,25 @@ def _paged_attention_kernel(
         key_pos = key_start + tl.arange(0, TILE_N)  # (TILE_N,) positions in the sequence
         key_valid = key_pos < num_keys  # (TILE_N,) never touch block-table entries or slots past seq_len
         block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)  # (TILE_N,)
-        key_offs = block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_row + kv_head * stride_c_head  # (TILE_N,) int64
+        key_offs = (
+            block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_row + kv_head * stride_c_head
+        )  # (TILE_N,) int64
         kv_mask = key_valid[:, None] & dim_valid[None, :]  # (TILE_N, HEAD_DIM_PADDED)
         # other=0: NaN or garbage in unused slots must not reach P @ V (0 * NaN is NaN)
-        k = tl.load(k_cache_ptr + key_offs[None, :] + dims[:, None], mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # (HEAD_DIM_PADDED, TILE_N)
-        v = tl.load(v_cache_ptr + key_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (TILE_N, HEAD_DIM_PADDED)
+        k = tl.load(
+            k_cache_ptr + key_offs[None, :] + dims[:, None], mask=dim_valid[:, None] & key_valid[None, :], other=0.0
+        )  # (HEAD_DIM_PADDED, TILE_N)
+        v = tl.load(
+            v_cache_ptr + key_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )  # (TILE_N, HEAD_DIM_PADDED)
 
         if DOT_IN_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # (BLOCK_M, TILE_N)
         else:
             s = tl.dot(q, k)  # (BLOCK_M, TILE_N) fp16/bf16 operands, fp32 accumulation
-        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])  # (BLOCK_M, TILE_N) causal rule
+        visible = (
+            row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        )  # (BLOCK_M, TILE_N) causal rule
         s = tl.where(visible, s * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(s, axis=1))  # (BLOCK_M,)
@@ -657,16 +802,20 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
     else:
         acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]  # a row with no visible key gives 0, not NaN
-        o_offs = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]  # (BLOCK_M, HEAD_DIM_PADDED)
+        o_offs = (
+            token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        )  # (BLOCK_M, HEAD_DIM_PADDED)
         tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
 def _merge_segments_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim) output, dtype of q
-    part_m_ptr, part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32: each segment's running max and sum
+    part_m_ptr,
+    part_l_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS) fp32: each segment's running max and sum
     part_acc_ptr,  # (num_tokens, num_heads, NUM_SEGMENTS, HEAD_DIM_PADDED) fp32: each segment's unnormalised P @ V
-    stride_o_tok, stride_o_head,  # out strides (head_dim is contiguous)
+    stride_o_tok,
+    stride_o_head,  # out strides (head_dim is contiguous)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,  # power of two
@@ -682,7 +831,11 @@ def _merge_segments_kernel(
     total = tl.sum(tl.load(part_l_ptr + part) * weight, axis=0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :])  # (NUM_SEGMENTS, HEAD_DIM_PADDED)
     o = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # (HEAD_DIM_PADDED,)
-    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+        o.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 # ---- Triton: tiles per GPU, and when to split ----
@@ -703,7 +856,9 @@ def _merge_segments_kernel(
 SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 CPU_CC = 80  # the arch whose tiles the interpreter runs (tests run the others' too)
 MAX_SEGMENTS = 16  # split-KV: most segments per sequence
-MIN_SEGMENT_KEYS = 256  # split-KV: fewest keys a segment is worth (a multiple of every TILE_N), at launch and in the kernel
+MIN_SEGMENT_KEYS = (
+    256  # split-KV: fewest keys a segment is worth (a multiple of every TILE_N), at launch and in the kernel
+)
 
 
 def tile_config(cc, dtype, head_dim_padded, group, phase):
@@ -712,7 +867,9 @@ def tile_config(cc, dtype, head_dim_padded, group, phase):
     matters little today: before sm_80 (no mma path), and one warp count on sm_80. The tensor-core tiles fit
     sm_86/89's 101,376 B of shared memory, so sm_80/90 take the same ones (larger tiles there would want
     timings on those GPUs to justify them)."""
-    if dtype == torch.float32 or cc < 80:  # tl.dot as FMAs: fp32 (IEEE), and 16-bit before sm_80 (Triton's mma needs sm_80)
+    if (
+        dtype == torch.float32 or cc < 80
+    ):  # tl.dot as FMAs: fp32 (IEEE), and 16-bit before sm_80 (Triton's mma needs sm_80)
         tile_n = 32 if head_dim_padded <= 64 and phase != "prefill" else 16
         # more threads share the (16, head_dim) accumulator as it widens: at 4 warps ptxas spills from head_dim 128
         num_warps = max(4, head_dim_padded // 16)
@@ -723,7 +880,11 @@ def tile_config(cc, dtype, head_dim_padded, group, phase):
         block_m, tile_n, num_warps = 64, 16 if head_dim_padded > 128 else 32, 8 if head_dim_padded > 128 else 4
     else:  # decode and split: one token a program
         block_m, tile_n, num_warps = 16, 32 if head_dim_padded > 128 else 64, 4
-    return max(block_m, triton.next_power_of_2(group)), tile_n, num_warps  # a group larger than a tile gets BLOCK_M = its size
+    return (
+        max(block_m, triton.next_power_of_2(group)),
+        tile_n,
+        num_warps,
+    )  # a group larger than a tile gets BLOCK_M = its size
 
 
 def num_segments(num_tokens, num_seqs, num_kv_heads, max_keys, sm_count):
@@ -754,11 +915,15 @@ def kernel_dtype(device, dtype):
     before sm_80 (Turing has no bf16 tensor cores; vLLM advises the same), with a one-line warning."""
     if dtype != "bfloat16" or device.type != "cuda" or _device_facts(device)[0] >= 80:
         return dtype
-    warnings.warn(f"sm_{_device_facts(device)[0]} has no bfloat16 tensor cores: running in float16 instead", stacklevel=3)
+    warnings.warn(
+        f"sm_{_device_facts(device)[0]} has no bfloat16 tensor cores: running in float16 instead", stacklevel=3
+    )
     return "float16"
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, segments=None):
+def paged_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, segments=None
+):
     """Same contract as paged_attention_ref. Writes `out` if given (every row of a
     token that belongs to a sequence). Expects query_start_loc[-1] == num_tokens and
     valid block ids for positions < seq_len (not checked: that would sync the GPU).
@@ -772,7 +937,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"paged_attention_triton: head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"paged_attention_triton: k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
+        raise ValueError(
+            "paged_attention_triton: k_cache and v_cache must share strides, "
+            f"got {k_cache.stride()} and {v_cache.stride()}"
+        )
     if segments is not None and (segments < 1 or segments & (segments - 1)):
         raise ValueError(f"paged_attention_triton: segments must be a power of two >= 1, got {segments}")
     if out is None:
@@ -792,31 +960,67 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     phase = "prefill" if num_tokens != num_seqs else "split" if segments > 1 else "decode"
     block_m, tile_n, num_warps = tile_config(cc, q.dtype, head_dim_padded, group, phase)
     block_q = block_m // group
-    num_q_blocks = num_tokens // block_q + num_seqs  # an upper bound from shapes alone (see the header above the kernel)
+    num_q_blocks = (
+        num_tokens // block_q + num_seqs
+    )  # an upper bound from shapes alone (see the header above the kernel)
     part_m = part_l = part_acc = out  # unused unless split
     if segments > 1:
-        part_m = torch.empty(num_tokens, num_heads, segments, dtype=torch.float32, device=q.device)  # (tokens, heads, segments)
+        part_m = torch.empty(
+            num_tokens, num_heads, segments, dtype=torch.float32, device=q.device
+        )  # (tokens, heads, segments)
         part_l = torch.empty_like(part_m)  # (tokens, heads, segments)
-        part_acc = torch.empty(num_tokens, num_heads, segments, head_dim_padded, dtype=torch.float32, device=q.device)  # (tokens, heads, segments, D)
+        part_acc = torch.empty(
+            num_tokens, num_heads, segments, head_dim_padded, dtype=torch.float32, device=q.device
+        )  # (tokens, heads, segments, D)
 
     with _on_device(q):
         _paged_attention_kernel[(num_q_blocks, num_kv_heads, segments)](
-            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            num_seqs,
             scale * 1.4426950408889634,  # log2(e)
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            part_m, part_l, part_acc, num_heads,
-            NUM_QUERIES_PER_KV=group, BLOCK_SIZE=k_cache.shape[1],
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-            BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            part_m,
+            part_l,
+            part_acc,
+            num_heads,
+            NUM_QUERIES_PER_KV=group,
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            TILE_N=tile_n,
             # the interpreter's bf16 tl.dot returns garbage; fp16 and fp32 are exact there
             DOT_IN_FP32=q.dtype == torch.float32 or (TRITON_INTERPRET and q.dtype == torch.bfloat16),
-            NUM_SEGMENTS=segments, MIN_KEYS=MIN_SEGMENT_KEYS, num_warps=num_warps,
+            NUM_SEGMENTS=segments,
+            MIN_KEYS=MIN_SEGMENT_KEYS,
+            num_warps=num_warps,
         )
         if segments > 1:
             _merge_segments_kernel[(num_tokens, num_heads)](
-                out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, NUM_SEGMENTS=segments, num_warps=1,
+                out,
+                part_m,
+                part_l,
+                part_acc,
+                out.stride(0),
+                out.stride(1),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PADDED=head_dim_padded,
+                NUM_SEGMENTS=segments,
+                num_warps=1,
             )
     return out
 
@@ -828,21 +1032,35 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
 # The pointer and stride arguments are hinted 16-aligned, as the launcher specializes them (but for the
 # ones marked do_not_specialize).
 
-_POINTER_DTYPES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64", "rope_ptr": "*fp32",
-                   "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+_POINTER_DTYPES = {
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "slot_mapping_ptr": "*i64",
+    "rope_ptr": "*fp32",
+    "part_m_ptr": "*fp32",
+    "part_l_ptr": "*fp32",
+    "part_acc_ptr": "*fp32",
+}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _ptxas_usage(ptx):
     """(registers, spill bytes stored + loaded) of one kernel's PTX, from the wheel's ptxas -v."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")  # the newest PTX ISA
+    ptxas = os.path.join(
+        os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell"
+    )  # the newest PTX ISA
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         arch = re.search(r"^\.target (\S+)", ptx, re.M).group(1)  # sm_90a on Hopper: Triton's wgmma needs it
-        log = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "kernel.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return int(re.search(r"Used (\d+) registers", log).group(1)), int(spills.group(1)) + int(spills.group(2))
 
@@ -852,12 +1070,26 @@ def _compile_for(fn, cc, dtype, consts, num_warps):
     from triton.backends.compiler import GPUTarget  # here, not at the top: kernels.py imports without triton
     from triton.compiler import ASTSource
 
-    sig = {name: "constexpr" if name in consts else _POINTER_DTYPES.get(name, "*" + dtype) if name.endswith("_ptr")
-           else "fp32" if name in ("qk_scale", "eps") else "i32" for name in fn.arg_names}
+    sig = {
+        name: "constexpr"
+        if name in consts
+        else _POINTER_DTYPES.get(name, "*" + dtype)
+        if name.endswith("_ptr")
+        else "fp32"
+        if name in ("qk_scale", "eps")
+        else "i32"
+        for name in fn.arg_names
+    }
     unspecialized = {p.name for p in fn.params if p.do_not_specialize}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if (name.endswith("_ptr") or name.startswith("stride")) and name not in unspecialized}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(sig)
+        if (name.endswith("_ptr") or name.startswith("stride")) and name not in unspecialized
+    }
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
-    compiled = triton.compile(ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps))
+    compiled = triton.compile(
+        ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps)
+    )
     return (*_ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
 
 
@@ -867,12 +1099,24 @@ def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
     kernel (split: the attention kernel and the merge): kernel, arch, dtype, head_dim, group, phase, tiles
     (BLOCK_M x TILE_N and warps), registers, spill_bytes, shared_bytes, shared_limit. Needs TRITON_INTERPRET unset."""
     if TRITON_INTERPRET or _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError("compile_static: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported")
+        raise RuntimeError(
+            "compile_static: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported"
+        )
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     block_m, tile_n, num_warps = tile_config(cc, dtype, head_dim_padded, group, phase)
     segments = MAX_SEGMENTS if phase == "split" else 1
-    consts = dict(NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=block_m,
-                  BLOCK_Q=block_m // group, TILE_N=tile_n, DOT_IN_FP32=dtype == torch.float32, NUM_SEGMENTS=segments, MIN_KEYS=MIN_SEGMENT_KEYS)
+    consts = dict(
+        NUM_QUERIES_PER_KV=group,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // group,
+        TILE_N=tile_n,
+        DOT_IN_FP32=dtype == torch.float32,
+        NUM_SEGMENTS=segments,
+        MIN_KEYS=MIN_SEGMENT_KEYS,
+    )
     name = _TRITON_DTYPES[dtype]
     builds = [("paged_attention", _paged_attention_kernel, consts, num_warps, f"{block_m}x{tile_n}, {num_warps} warps")]
     if phase == "split":
@@ -881,8 +1125,21 @@ def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
     rows = []
     for kernel, fn, kernel_consts, warps, tiles in builds:
         registers, spill_bytes, shared_bytes = _compile_for(fn, cc, name, kernel_consts, warps)
-        rows.append(dict(kernel=kernel, arch=f"sm_{cc}", dtype=name, head_dim=head_dim, group=group, phase=phase, tiles=tiles,
-                         registers=registers, spill_bytes=spill_bytes, shared_bytes=shared_bytes, shared_limit=SHARED_LIMIT[cc]))
+        rows.append(
+            dict(
+                kernel=kernel,
+                arch=f"sm_{cc}",
+                dtype=name,
+                head_dim=head_dim,
+                group=group,
+                phase=phase,
+                tiles=tiles,
+                registers=registers,
+                spill_bytes=spill_bytes,
+                shared_bytes=shared_bytes,
+                shared_limit=SHARED_LIMIT[cc],
+            )
+        )
     return rows
 
 
@@ -891,18 +1148,46 @@ def compile_static_small_ops(cc, dtype, width):
     hidden size; SiLU * up: the intermediate size; rotary: head_dim, with Qwen3's q/k norm) on compute capability
     cc, with no GPU: rows as compile_static's (head_dim holds the width)."""
     if TRITON_INTERPRET or _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError("compile_static_small_ops: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported")
-    norm, silu, half = triton.next_power_of_2(width), min(1024, triton.next_power_of_2(width)), triton.next_power_of_2(width // 2)
-    builds = [("rms_norm+residual", _rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=norm), _row_warps(norm), f"BLOCK {norm}"),
-              ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=silu), _row_warps(silu), f"BLOCK {silu}")]
+        raise RuntimeError(
+            "compile_static_small_ops: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported"
+        )
+    norm, silu, half = (
+        triton.next_power_of_2(width),
+        min(1024, triton.next_power_of_2(width)),
+        triton.next_power_of_2(width // 2),
+    )
+    builds = [
+        ("rms_norm+residual", _rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=norm), _row_warps(norm), f"BLOCK {norm}"),
+        ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=silu), _row_warps(silu), f"BLOCK {silu}"),
+    ]
     if width <= MAX_HEAD_DIM:
-        builds.append(("qk_norm+rotary", _rotary_kernel, dict(NUM_HEADS=16, HALF=width // 2, HALF_PADDED=half, HAS_NORM=True), 1, f"HALF {half}"))
+        builds.append(
+            (
+                "qk_norm+rotary",
+                _rotary_kernel,
+                dict(NUM_HEADS=16, HALF=width // 2, HALF_PADDED=half, HAS_NORM=True),
+                1,
+                f"HALF {half}",
+            )
+        )
     rows = []
     for kernel, fn, consts, warps, tiles in builds:
         registers, spill_bytes, shared_bytes = _compile_for(fn, cc, _TRITON_DTYPES[dtype], consts, warps)
-        rows.append(dict(kernel=kernel, arch=f"sm_{cc}", dtype=_TRITON_DTYPES[dtype], head_dim=width, group="-", phase="-",
-                         tiles=f"{tiles}, {warps} warps", registers=registers, spill_bytes=spill_bytes, shared_bytes=shared_bytes,
-                         shared_limit=SHARED_LIMIT[cc]))
+        rows.append(
+            dict(
+                kernel=kernel,
+                arch=f"sm_{cc}",
+                dtype=_TRITON_DTYPES[dtype],
+                head_dim=width,
+                group="-",
+                phase="-",
+                tiles=f"{tiles}, {warps} warps",
+                registers=registers,
+                spill_bytes=spill_bytes,
+                shared_bytes=shared_bytes,
+                shared_limit=SHARED_LIMIT[cc],
+            )
+        )
     return rows
 
 
@@ -995,7 +1280,10 @@ def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, nu
 #         rounded to the cache dtype before P @ V, as in the Triton kernel.
 # Prefill sequences go one at a time, as in the reference (their queries fill the matmuls anyway).
 DECODE_GROUP_KEYS = 4096  # small enough that a group's copies stay small, large enough that its matmuls stay few
-LOOP_DTYPES = {torch.bfloat16: (torch.uint16, 16), torch.float32: (torch.uint32, 0)}  # cache dtype -> (its bits, shift to fp32)
+LOOP_DTYPES = {
+    torch.bfloat16: (torch.uint16, 16),
+    torch.float32: (torch.uint32, 0),
+}  # cache dtype -> (its bits, shift to fp32)
 
 
 @dataclass
@@ -1013,7 +1301,9 @@ class DecodeRows:
     rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
     block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
     seq_lens: object  # (n,) int32 numpy array: their lengths
-    heads_per_job: int  # kv heads per job: all of them (a job per sequence), or 1 when there are fewer sequences than threads
+    heads_per_job: (
+        int  # kv heads per job: all of them (a job per sequence), or 1 when there are fewer sequences than threads
+    )
 
 
 @dataclass
@@ -1031,7 +1321,14 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
         idx = torch.tensor(decode)
         # a job per sequence reads each cache block in one pass: faster as soon as every thread has a sequence
         heads_per_job = num_kv_heads if len(decode) >= _loop_threads() else 1
-        plan.decode.append(DecodeRows(torch.tensor([starts[i] for i in decode]), block_tables[idx].numpy(), seq_lens[idx].numpy(), heads_per_job))
+        plan.decode.append(
+            DecodeRows(
+                torch.tensor([starts[i] for i in decode]),
+                block_tables[idx].numpy(),
+                seq_lens[idx].numpy(),
+                heads_per_job,
+            )
+        )
         return plan
     group = []
     for i in sorted(decode, key=lens.__getitem__):
@@ -1064,7 +1361,9 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     group = num_heads // num_kv_heads
     loops = _decode_loops(q.dtype)
     if plan is None or (loops is None and any(isinstance(g, DecodeRows) for g in plan.decode)):
-        plan = _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)  # (again: the loops cannot run it)
+        plan = _plan(
+            block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype
+        )  # (again: the loops cannot run it)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
     # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
@@ -1073,8 +1372,17 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
             bits, shift = LOOP_DTYPES[k_cache.dtype]
             every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
-            loops((q if every_row else q[g.rows]).float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(),
-                  shift, g.heads_per_job, g.block_tables, g.seq_lens, scale, o.numpy())
+            loops(
+                (q if every_row else q[g.rows]).float().numpy(),
+                k_cache.view(bits).numpy(),
+                v_cache.view(bits).numpy(),
+                shift,
+                g.heads_per_job,
+                g.block_tables,
+                g.seq_lens,
+                scale,
+                o.numpy(),
+            )
             if every_row:
                 out.copy_(o)
             else:
@@ -1109,7 +1417,17 @@ def _compile_loops(dtype):
     """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
     bits, shift = LOOP_DTYPES[dtype]
     q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
-    probe = (q.numpy(), cache.numpy(), cache.numpy(), shift, 1, np.zeros((1, 1), np.int32), np.ones(1, np.int32), 1.0, q.clone().numpy())
+    probe = (
+        q.numpy(),
+        cache.numpy(),
+        cache.numpy(),
+        shift,
+        1,
+        np.zeros((1, 1), np.int32),
+        np.ones(1, np.int32),
+        1.0,
+        q.clone().numpy(),
+    )
     return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
 
 
@@ -1158,8 +1476,12 @@ def announce_compile(loops):
     if _announced or glob.glob(os.path.join(folder, f"{__name__}.{loops.__name__}-*.nbi")):
         return
     _announced = True
-    print("nanobatch: compiling the CPU loops with numba, once per checkout (up to a minute on 2 cores; later runs load them from its cache)",
-          file=sys.stderr, flush=True)
+    print(
+        "nanobatch: compiling the CPU loops with numba, once per checkout "
+        "(up to a minute on 2 cores; later runs load them from its cache)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 _announced = False  # announce_compile has spoken
@@ -1172,7 +1494,14 @@ _LOOP_HELPERS = ("_widen", "_round", "_narrow")
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
 # about fp32's rounding), lowest power first. The loops' exp is built on it: a libm call per score does not
 # run in SIMD lanes.
-EXP2_POLY = (0.9999998957631347, 0.693154620003295, 0.24014077009186627, 0.05586328265919315, 0.008946214666375036, 0.0018951072910012572)
+EXP2_POLY = (
+    0.9999998957631347,
+    0.693154620003295,
+    0.24014077009186627,
+    0.05586328265919315,
+    0.008946214666375036,
+    0.0018951072910012572,
+)
 LOG2_E = 1.4426950408889634
 
 
@@ -1199,7 +1528,9 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_len
     group = num_heads // num_kv_heads
     jobs_per_seq = num_kv_heads // heads_per_job
     c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
-    for job in prange(n * jobs_per_seq):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
+    for job in prange(
+        n * jobs_per_seq
+    ):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
         i, h0 = job // jobs_per_seq, job % jobs_per_seq * heads_per_job
         qh = np.empty((heads_per_job * group, head_dim), np.float32)  # the job's query heads, scaled
         for g in range(heads_per_job * group):
@@ -1207,7 +1538,10 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_len
                 qh[g, d] = q[i, h0 * group + g, d] * np.float32(scale)
         key_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
         value_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
-        keys, values = key_bits.view(np.float32), value_bits.view(np.float32)  # one block of the job's kv heads, widened
+        keys, values = (
+            key_bits.view(np.float32),
+            value_bits.view(np.float32),
+        )  # one block of the job's kv heads, widened
         weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
         pow2_bits = np.empty(block_size, np.uint32)
         pow2 = pow2_bits.view(np.float32)  # 2**whole of each weight, made from its exponent bits
@@ -1355,7 +1689,10 @@ def rotary_cpu(x, cos, sin):
     if loops is None:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    bits = [t.contiguous().view(torch.int16).numpy() for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))]
+    bits = [
+        t.contiguous().view(torch.int16).numpy()
+        for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
+    ]
     loops(*bits, out.view(torch.int16).numpy())
     return out
 
@@ -1552,7 +1889,9 @@ def sample_nucleus(x, top_p, min_p, uniforms, exact, max_rounds=64):
         u = uniforms(rows.tolist()) * pending_cdf[:, -1]
         draw = torch.searchsorted(pending_cdf, u[:, None], right=True).clamp_(max=x.shape[1] - 1)  # (n, 1)
         p = pending_probs.gather(1, draw)  # (n, 1)
-        above = torch.where(pending_probs > p, pending_probs, 0.0).sum(dim=-1)  # mass of the strictly more likely tokens
+        above = torch.where(pending_probs > p, pending_probs, 0.0).sum(
+            dim=-1
+        )  # mass of the strictly more likely tokens
         accept = (above < nucleus[rows]) & (p[:, 0] >= floor[rows])
         tokens[rows[accept]] = draw[accept, 0]
     undecided = tokens < 0  # (almost never: a kept mass below 1/64 under min-p) an exact sort decides them

@@ -54,7 +54,15 @@ import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
@@ -63,7 +71,15 @@ from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import nanobatch
-from nanobatch import LLM, BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams, _cut, default_model_path
+from nanobatch import (
+    LLM,
+    BeamSearchParams,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    _cut,
+    default_model_path,
+)
 
 
 # ---- Config ----
@@ -80,16 +96,32 @@ log = logging.getLogger("nanobatch")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
-    served_model_name: str | None = None  # the `model` clients name; default: the model argument as given (vLLM's default)
+    served_model_name: str | None = (
+        None  # the `model` clients name; default: the model argument as given (vLLM's default)
+    )
     limit_concurrency: int | None = None  # connections + requests in flight past which requests get a 503 (uvicorn's)
-    timeout_keep_alive: int = 5  # seconds a connection gets to send each request head (from connecting, or its last response)
+    timeout_keep_alive: int = (
+        5  # seconds a connection gets to send each request head (from connecting, or its last response)
+    )
 
     def __post_init__(self):
-        nanobatch.check_fields(self, "ServerConfig.", [
-            ("port", lambda v: nanobatch._int(v) and 0 <= v <= 65535, "must be an integer from 0 (any free port) to 65535"),
-            ("limit_concurrency", lambda v: v is None or (nanobatch._int(v) and v >= 1), "must be a positive integer or None"),
-            ("timeout_keep_alive", lambda v: nanobatch._int(v) and v >= 1, "must be a positive integer"),
-        ])
+        nanobatch.check_fields(
+            self,
+            "ServerConfig.",
+            [
+                (
+                    "port",
+                    lambda v: nanobatch._int(v) and 0 <= v <= 65535,
+                    "must be an integer from 0 (any free port) to 65535",
+                ),
+                (
+                    "limit_concurrency",
+                    lambda v: v is None or (nanobatch._int(v) and v >= 1),
+                    "must be a positive integer or None",
+                ),
+                ("timeout_keep_alive", lambda v: nanobatch._int(v) and v >= 1, "must be a positive integer"),
+            ],
+        )
 
 
 class ServerError(Exception):
@@ -108,7 +140,9 @@ class ServerError(Exception):
         """A 400 for the engine's ValueError in the request's words (`max_tokens must ...`, not
         `SamplingParams.max_tokens must ...`), param the field it starts with, as vLLM names it."""
         message = re.sub(r"^(SamplingParams|BeamSearchParams)\.", "", str(e))
-        if message.startswith("This model's maximum context length"):  # (a prompt longer than max_model_len: vLLM's words and param)
+        if message.startswith(
+            "This model's maximum context length"
+        ):  # (a prompt longer than max_model_len: vLLM's words and param)
             return cls(prefix + message, param="input_tokens")
         field = re.match(r"([a-z_.]+)(=| must | cannot | has token id | \S+ exceeds )", message)
         return cls(prefix + message, param=field and field.group(1))
@@ -123,7 +157,9 @@ class ServerError(Exception):
 @dataclass
 class Submission:
     request_ids: list[str]  # one engine request per prompt
-    prompts: list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
+    prompts: (
+        list  # texts or token-id lists; chat: one list of messages, rendered by the chat template in the engine thread
+    )
     params: SamplingParams  # what the response shows (n outputs per prompt, logprobs, ...)
     chat: dict | None = None  # a chat: the template's options (LLM.chat_prompt's, vLLM's fields); None: plain prompts
     beam: BeamSearchParams | None = None  # use_beam_search: what the engine runs instead of params
@@ -131,8 +167,9 @@ class Submission:
 
 
 def threadsafe(loop, fn):
-    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop has closed).
-    EngineLoop hands one step's calls for the same loop over in one go (call.loop, call.fn): one wake-up of the loop per step."""
+    """fn, to be called from the engine thread: it runs in the event loop's thread (or not at all once the loop
+    has closed). EngineLoop hands one step's calls for the same loop over in one go (call.loop, call.fn): one
+    wake-up of the loop per step."""
 
     def call(*args):
         try:
@@ -236,7 +273,9 @@ class EngineLoop:
             self._add(message[1])
         elif kind == "abort":
             _, request_ids, by_client = message
-            running = [r for r in request_ids if self.outboxes.pop(r, None) is not None]  # nobody reads their final "abort" output
+            running = [
+                r for r in request_ids if self.outboxes.pop(r, None) is not None
+            ]  # nobody reads their final "abort" output
             for request_id in running:
                 self.llm.abort_request(request_id)  # its final output comes out of the next step
             self.num_client_aborts += bool(by_client and running)
@@ -252,7 +291,11 @@ class EngineLoop:
         added = []
         try:
             for request_id, prompt in zip(sub.request_ids, sub.prompts):
-                self.llm.add_request(self.llm.chat_prompt(prompt, **sub.chat) if sub.chat is not None else prompt, sub.beam or sub.params, request_id)
+                self.llm.add_request(
+                    self.llm.chat_prompt(prompt, **sub.chat) if sub.chat is not None else prompt,
+                    sub.beam or sub.params,
+                    request_id,
+                )
                 added.append(request_id)
         except ValueError as e:  # prompt too long, empty, bad token ids, n > max_num_seqs, ...
             where = f"prompt {len(added)}: " if len(sub.prompts) > 1 else ""
@@ -333,54 +376,210 @@ class ServerMetrics:
     RequestOutput; the gauges and the preemption count are read from the engine when /metrics is
     scraped. One registry per server."""
 
-    TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-    ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+    TTFT_BUCKETS = (
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    )
+    ITL_BUCKETS = (
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+    )
     ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-    REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+    REQUEST_BUCKETS = (
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    )
 
     def __init__(self, model_name, llm: LLM):
         disable_created_metrics()  # as vLLM: no *_created series (a process-wide setting of prometheus_client)
         self.registry = CollectorRegistry()
         self.max_model_len = llm.max_model_len
-        labels = {"model_name": model_name, "engine": "0"}  # one engine per server (vLLM numbers its data-parallel engines)
+        labels = {
+            "model_name": model_name,
+            "engine": "0",
+        }  # one engine per server (vLLM numbers its data-parallel engines)
 
         def metric(kind, name, doc, **kwargs):
             return kind(name, doc, list(labels), registry=self.registry, **kwargs).labels(**labels)
 
-        token_buckets = [b * 10**e for e in range(len(str(llm.max_model_len))) for b in (1, 2, 5) if b * 10**e <= llm.max_model_len]  # vLLM's 1-2-5 series
+        token_buckets = [
+            b * 10**e for e in range(len(str(llm.max_model_len))) for b in (1, 2, 5) if b * 10**e <= llm.max_model_len
+        ]  # vLLM's 1-2-5 series
         self.num_running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = metric(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason (all wait for capacity here).", [*labels, "reason"], registry=self.registry)
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason (all wait for capacity here).",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
         self.waiting_capacity = by_reason.labels(**labels, reason="capacity")
         by_reason.labels(**labels, reason="deferred").set(0)  # vLLM's LoRA budget, KV transfer: never here
-        self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all).")
-        self.preemptions = metric(Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be recomputed).")
-        self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.kv_usage = metric(
+            Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: the fraction of blocks in use (1 = all)."
+        )
+        self.preemptions = metric(
+            Counter, "vllm:num_preemptions", "Sequences preempted (their blocks freed, to be recomputed)."
+        )
+        self.prefix_queries = metric(
+            Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
         self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-        self.prompt_cached = metric(Counter, "vllm:prompt_tokens_cached", "Prompt tokens served from a cache (here: the prefix cache alone).")
+        self.prompt_cached = metric(
+            Counter, "vllm:prompt_tokens_cached", "Prompt tokens served from a cache (here: the prefix cache alone)."
+        )
         self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
-        self.request_prompt_tokens = metric(Histogram, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", buckets=token_buckets)
-        self.request_generation_tokens = metric(Histogram, "vllm:request_generation_tokens", "Generated tokens per finished request (all samples).", buckets=token_buckets)
-        self.request_max_generation = metric(Histogram, "vllm:request_max_num_generation_tokens", "Tokens of the longest sample per finished request.", buckets=token_buckets)
-        self.request_n = metric(Histogram, "vllm:request_params_n", "Samples (or beams) per finished request.", buckets=(1, 2, 5, 10, 20))
-        self.request_computed = metric(Histogram, "vllm:request_prefill_kv_computed_tokens", "Prompt tokens computed (not cached) per finished request.", buckets=token_buckets)
-        self.ttft = metric(Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS)
-        self.itl = metric(Histogram, "vllm:inter_token_latency_seconds", "Time between two tokens of a sample.", buckets=self.ITL_BUCKETS)
-        self.tpot = metric(Histogram, "vllm:request_time_per_output_token_seconds", "Per request: time per output token after the first.", buckets=self.ITL_BUCKETS)
-        self.e2e = metric(Histogram, "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=self.REQUEST_BUCKETS)
-        self.queue = metric(Histogram, "vllm:request_queue_time_seconds", "Arrival to first scheduled.", buckets=self.REQUEST_BUCKETS)
-        self.inference = metric(Histogram, "vllm:request_inference_time_seconds", "First scheduled to finish.", buckets=self.REQUEST_BUCKETS)
-        self.prefill = metric(Histogram, "vllm:request_prefill_time_seconds", "First scheduled to first token.", buckets=self.REQUEST_BUCKETS)
-        self.decode = metric(Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS)
-        self.iteration_tokens = metric(Histogram, "vllm:iteration_tokens_total", "Tokens computed per engine step.", buckets=self.ITERATION_BUCKETS)
-        self.request_max_tokens = metric(Histogram, "vllm:request_params_max_tokens", "The max_tokens of each finished request (the room left when unset).", buckets=token_buckets)
-        self.request_preemptions = metric(Histogram, "vllm:request_num_preemptions", "Times each finished request was preempted.", buckets=(1, 2, 3, 4, 5, 10, 20))
-        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.", [*labels, "source"], registry=self.registry)
-        self.prompt_computed, self.prompt_local_hit = (by_source.labels(**labels, source=s) for s in ("local_compute", "local_cache_hit"))
+        self.request_prompt_tokens = metric(
+            Histogram, "vllm:request_prompt_tokens", "Prompt tokens per finished request.", buckets=token_buckets
+        )
+        self.request_generation_tokens = metric(
+            Histogram,
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request (all samples).",
+            buckets=token_buckets,
+        )
+        self.request_max_generation = metric(
+            Histogram,
+            "vllm:request_max_num_generation_tokens",
+            "Tokens of the longest sample per finished request.",
+            buckets=token_buckets,
+        )
+        self.request_n = metric(
+            Histogram, "vllm:request_params_n", "Samples (or beams) per finished request.", buckets=(1, 2, 5, 10, 20)
+        )
+        self.request_computed = metric(
+            Histogram,
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens computed (not cached) per finished request.",
+            buckets=token_buckets,
+        )
+        self.ttft = metric(
+            Histogram, "vllm:time_to_first_token_seconds", "Time to first token.", buckets=self.TTFT_BUCKETS
+        )
+        self.itl = metric(
+            Histogram,
+            "vllm:inter_token_latency_seconds",
+            "Time between two tokens of a sample.",
+            buckets=self.ITL_BUCKETS,
+        )
+        self.tpot = metric(
+            Histogram,
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: time per output token after the first.",
+            buckets=self.ITL_BUCKETS,
+        )
+        self.e2e = metric(
+            Histogram,
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            buckets=self.REQUEST_BUCKETS,
+        )
+        self.queue = metric(
+            Histogram, "vllm:request_queue_time_seconds", "Arrival to first scheduled.", buckets=self.REQUEST_BUCKETS
+        )
+        self.inference = metric(
+            Histogram, "vllm:request_inference_time_seconds", "First scheduled to finish.", buckets=self.REQUEST_BUCKETS
+        )
+        self.prefill = metric(
+            Histogram,
+            "vllm:request_prefill_time_seconds",
+            "First scheduled to first token.",
+            buckets=self.REQUEST_BUCKETS,
+        )
+        self.decode = metric(
+            Histogram, "vllm:request_decode_time_seconds", "First token to finish.", buckets=self.REQUEST_BUCKETS
+        )
+        self.iteration_tokens = metric(
+            Histogram, "vllm:iteration_tokens_total", "Tokens computed per engine step.", buckets=self.ITERATION_BUCKETS
+        )
+        self.request_max_tokens = metric(
+            Histogram,
+            "vllm:request_params_max_tokens",
+            "The max_tokens of each finished request (the room left when unset).",
+            buckets=token_buckets,
+        )
+        self.request_preemptions = metric(
+            Histogram,
+            "vllm:request_num_preemptions",
+            "Times each finished request was preempted.",
+            buckets=(1, 2, 3, 4, 5, 10, 20),
+        )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            [*labels, "source"],
+            registry=self.registry,
+        )
+        self.prompt_computed, self.prompt_local_hit = (
+            by_source.labels(**labels, source=s) for s in ("local_compute", "local_cache_hit")
+        )
         by_source.labels(**labels, source="external_kv_transfer")  # no KV transfer here: stays 0
-        cached_by_source = Counter("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that held them.", [*labels, "source"], registry=self.registry)
-        self.prompt_cached_device = cached_by_source.labels(**labels, source="device")  # the one tier here: the KV pool itself
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that held them.",
+            [*labels, "source"],
+            registry=self.registry,
+        )
+        self.prompt_cached_device = cached_by_source.labels(
+            **labels, source="device"
+        )  # the one tier here: the KV pool itself
         for source in ("host", "p2p", "disk", "external_unspecified"):
             cached_by_source.labels(**labels, source=source)
         self._constant_series(llm, labels)
@@ -393,19 +592,46 @@ class ServerMetrics:
         """Series vLLM's dashboards expect, set up once: sleep states and admission rejections (constant here),
         request_success by finish reason (observe counts it) and cache_config_info (the KV cache's settings)."""
         model_name = labels["model_name"]
-        sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state: awake = 1 (this engine never sleeps).", [*labels, "sleep_state"], registry=self.registry)
+        sleep = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state: awake = 1 (this engine never sleeps).",
+            [*labels, "sleep_state"],
+            registry=self.registry,
+        )
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
             sleep.labels(**labels, sleep_state=state).set(value)
-        rejections = Counter("vllm:admission_rejections", "Admissions refused by a queue limit (none here: a busy server queues).", ["model_name", "reason"], registry=self.registry)
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Admissions refused by a queue limit (none here: a busy server queues).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             rejections.labels(model_name=model_name, reason=reason)
-        success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=self.registry)
-        self.success = {reason: success.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error", "repetition")}  # vLLM's FinishReason
-        c = llm.config  # vLLM's cache_config_info: the KV cache's settings (CacheConfig's field names) and the engine as labels of a constant 1, no model_name
-        info = {"block_size": c.block_size, "num_gpu_blocks": llm.allocator.num_blocks, "enable_prefix_caching": c.enable_prefix_caching,
-                "cache_dtype": "auto", "gpu_memory_utilization": c.gpu_memory_utilization}
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.success = {
+            reason: success.labels(**labels, finished_reason=reason)
+            for reason in ("stop", "length", "abort", "error", "repetition")
+        }  # vLLM's FinishReason
+        # vLLM's cache_config_info: the KV cache's settings (CacheConfig's field names) and the engine as labels
+        # of a constant 1, no model_name
+        c = llm.config
+        info = {
+            "block_size": c.block_size,
+            "num_gpu_blocks": llm.allocator.num_blocks,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "cache_dtype": "auto",
+            "gpu_memory_utilization": c.gpu_memory_utilization,
+        }
         info = {"engine": labels["engine"], **{k: str(v) for k, v in info.items()}}
-        Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry).labels(**info).set(1)
+        Gauge(
+            "vllm:cache_config_info", "Information of the KV cache config.", list(info), registry=self.registry
+        ).labels(**info).set(1)
 
     def observe(self, out: RequestOutput):
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -452,12 +678,16 @@ class ServerMetrics:
             if longest > 1:  # samples run side by side: time per token of the longest
                 mean_gap = (m.finished_time - m.first_token_time) / (longest - 1)
                 self.tpot.observe(mean_gap)
-                for _ in range(longest - 1):  # one per gap, as vLLM counts them; only the final output is seen, so each is the mean gap
+                for _ in range(
+                    longest - 1
+                ):  # one per gap, as vLLM counts them; only the final output is seen, so each is the mean gap
                     self.itl.observe(mean_gap)
 
     def admitted(self, request):
         # as vLLM: an unset max_tokens is the room the context leaves
-        self.max_tokens[request.request_id] = request.params.max_tokens or self.max_model_len - len(request.prompt_token_ids)
+        self.max_tokens[request.request_id] = request.params.max_tokens or self.max_model_len - len(
+            request.prompt_token_ids
+        )
 
     def stepped(self, stats):
         if stats.num_steps != self.num_steps:  # the model ran (a step with nothing to run records no stats)
@@ -498,14 +728,21 @@ def structured_outputs_from_request(body):
                 raise ValueError("response_format.json_schema.schema must be a JSON schema object")
             given["response_format"] = {"json": schema}
         elif kind != "text":
-            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_cut(repr(kind))}")
+            raise ValueError(
+                f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_cut(repr(kind))}"
+            )
     if body.get("structured_outputs") is not None:
         fields = body["structured_outputs"]
         if not isinstance(fields, dict):
-            raise ValueError("structured_outputs must be an object with one of json, regex, choice, grammar, json_object")
+            raise ValueError(
+                "structured_outputs must be an object with one of json, regex, choice, grammar, json_object"
+            )
         unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
         if unknown:
-            raise ValueError(f"structured_outputs: unsupported field(s) {unknown}; nanobatch takes json, regex, choice, grammar, json_object")
+            raise ValueError(
+                f"structured_outputs: unsupported field(s) {unknown}; "
+                "nanobatch takes json, regex, choice, grammar, json_object"
+            )
         given["structured_outputs"] = {k: v for k, v in fields.items() if v is not None}
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) is not None:
@@ -514,7 +751,7 @@ def structured_outputs_from_request(body):
         raise ValueError(f"give one structured output constraint, got {', '.join(given)}")
     if not given:
         return None
-    (name, fields), = given.items()
+    ((name, fields),) = given.items()
     try:
         return StructuredOutputsParams(**fields)
     except ValueError as e:  # in the request's words: guided_choice, structured_outputs.choice, response_format
@@ -536,7 +773,10 @@ def one_of(description):
 
 
 Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
-Prompt = Annotated[str | list[int] | list[str] | list[list[int]], one_of("a string, a list of token ids, or a list of either (a batch)")]
+Prompt = Annotated[
+    str | list[int] | list[str] | list[list[int]],
+    one_of("a string, a list of token ids, or a list of either (a batch)"),
+]
 
 
 # Numbers and booleans may come as strings ("max_tokens": "5", "stream": "false") and booleans as 0 / 1, as
@@ -576,11 +816,18 @@ class Sampling(Body):
 
     def sampling_params(self, defaults=None, **fields):
         """SamplingParams of the fields sent, else of `defaults` (the model's generation_config.json settings, as vLLM's
-        OpenAI server takes them), else SamplingParams' own; `fields` (the endpoint's own) over all. Its ValueError is a 400."""
-        names = [name for name in type(self).model_fields if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS]
+        OpenAI server takes them), else SamplingParams' own; `fields` (the endpoint's own) over all. Its ValueError
+        is a 400."""
+        names = [
+            name
+            for name in type(self).model_fields
+            if name in SamplingParams.__dataclass_fields__ and name not in STRUCTURED_OUTPUT_FIELDS
+        ]
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         try:
-            constraint = structured_outputs_from_request({name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS})
+            constraint = structured_outputs_from_request(
+                {name: getattr(self, name, None) for name in STRUCTURED_OUTPUT_FIELDS}
+            )
             return SamplingParams(**{**(defaults or {}), **given, **fields}, structured_outputs=constraint)
         except ValueError as e:
             raise ServerError.invalid(e) from None
@@ -608,7 +855,9 @@ class StreamOptions(Body):
 
 class OpenAI(Sampling):
     model: str | None = None  # None: the served model
-    request_id: str | None = None  # the response's id (after cmpl- or chatcmpl-) unless an X-Request-Id header gives one; None: random
+    request_id: str | None = (
+        None  # the response's id (after cmpl- or chatcmpl-) unless an X-Request-Id header gives one; None: random
+    )
     stream: Bool | None = None  # None (null or absent) is false here and below: some clients send every field
     stream_options: StreamOptions | None = None
     use_beam_search: Bool | None = None  # vLLM's extra: beam search with n beams (completions; see beam_search_params)
@@ -616,7 +865,9 @@ class OpenAI(Sampling):
     # asked-for features that are not implemented: declared so that UNSUPPORTED_FIELDS refuses them
     logprob_token_ids: list[int] | None = None  # vLLM's extras, from here to priority
     truncate_prompt_tokens: Int | None = None
-    add_special_tokens: Bool | None = None  # vLLM's default: true for completions, false for chat (the template adds them)
+    add_special_tokens: Bool | None = (
+        None  # vLLM's default: true for completions, false for chat (the template adds them)
+    )
     spaces_between_special_tokens: Bool | None = None
     return_tokens_as_token_ids: Bool | None = None
     return_token_ids: Bool | None = None
@@ -645,7 +896,10 @@ class TextPart(Body):
 
 class Message(Body):
     role: str
-    content: Annotated[str | list[TextPart], one_of('a string or a list of text parts ({"type": "text", "text": ...})')] | None = None
+    content: (
+        Annotated[str | list[TextPart], one_of('a string or a list of text parts ({"type": "text", "text": ...})')]
+        | None
+    ) = None
 
     def for_template(self):  # (LLM.chat_prompt joins text parts as vLLM's does)
         content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content
@@ -697,30 +951,61 @@ class Detokenize(Body):
 # here and reads the field from the request model.
 UNSUPPORTED_FIELDS = {  # field -> (does the request ask for it?, why it is refused)
     "suffix": (lambda v, body: bool(v), "text insertion is not implemented"),
-    "use_beam_search": (lambda v, body: bool(v) and hasattr(body, "messages"), "beam search is served on /v1/completions and /generate"),
+    "use_beam_search": (
+        lambda v, body: bool(v) and hasattr(body, "messages"),
+        "beam search is served on /v1/completions and /generate",
+    ),
     **{name: (lambda v, body: bool(v), "tool calling is not implemented") for name in ("tools", "functions")},
-    **{name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented") for name in ("tool_choice", "function_call")},
+    **{
+        name: (lambda v, body: v not in (None, "none", "auto"), "tool calling is not implemented")
+        for name in ("tool_choice", "function_call")
+    },
     # vLLM's extras, refused where they differ from vLLM's defaults (a client may send every field)
-    **{name: (lambda v, body: v is not None, "it is not implemented") for name in ("logprob_token_ids", "truncate_prompt_tokens")},
-    **{name: (lambda v, body: bool(v), "it is not implemented") for name in ("return_tokens_as_token_ids", "return_token_ids", "priority")},
+    **{
+        name: (lambda v, body: v is not None, "it is not implemented")
+        for name in ("logprob_token_ids", "truncate_prompt_tokens")
+    },
+    **{
+        name: (lambda v, body: bool(v), "it is not implemented")
+        for name in ("return_tokens_as_token_ids", "return_token_ids", "priority")
+    },
     "spaces_between_special_tokens": (lambda v, body: v is False, "it is not implemented"),
     # (on completions and chat; /tokenize takes add_special_tokens for a prompt)
-    "add_special_tokens": (lambda v, body: isinstance(body, OpenAI) and v is not None and v != (not isinstance(body, Chat)),
-                           "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)"),
-    "echo": (lambda v, body: bool(v) and hasattr(body, "messages"), "chat echo is not implemented"),  # completions' echo is
+    "add_special_tokens": (
+        lambda v, body: isinstance(body, OpenAI) and v is not None and v != (not isinstance(body, Chat)),
+        "prompts are tokenized as vLLM's default does (completions with special tokens, chat without)",
+    ),
+    "echo": (
+        lambda v, body: bool(v) and hasattr(body, "messages"),
+        "chat echo is not implemented",
+    ),  # completions' echo is
     # a client's own Jinja would run in the engine thread, unbounded: vLLM too refuses it unless its server trusts them
-    "chat_template": (lambda v, body: v is not None, "a request's own chat template is not run (vLLM's needs --trust-request-chat-template)"),
+    "chat_template": (
+        lambda v, body: v is not None,
+        "a request's own chat template is not run (vLLM's needs --trust-request-chat-template)",
+    ),
 }
-STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def reject_unsupported(body):
     for name, (asked, why) in UNSUPPORTED_FIELDS.items():
         if asked(getattr(body, name, None), body):
             raise ServerError(f"'{name}' is not supported: {why}", param=name)
-    if (options := getattr(body, "stream_options", None)) and options.model_fields_set and not body.stream:  # vLLM's 400 ({} passes)
+    if (
+        (options := getattr(body, "stream_options", None)) and options.model_fields_set and not body.stream
+    ):  # vLLM's 400 ({} passes)
         raise ServerError("'stream_options' is only allowed with stream: true", param="stream_options")
-    if isinstance(body, OpenAI) and body.stream and body.prompt_logprobs:  # vLLM's 400 (0 passes): a stream has no place for them
+    if (
+        isinstance(body, OpenAI) and body.stream and body.prompt_logprobs
+    ):  # vLLM's 400 (0 passes): a stream has no place for them
         raise ServerError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     return body
 
@@ -744,16 +1029,39 @@ def beam_search_params(body, params, default_temperature=None):
         raise ServerError(f"use_beam_search does not take {', '.join(taken)}")
     temperature = next((t for t in (body.temperature, default_temperature) if t is not None), 0.0)
     if params.max_tokens is None:  # ("max_tokens": null)
-        raise ServerError("use_beam_search needs max_tokens as a number (null, up to max_model_len, is not served with beams)", param="max_tokens")
+        raise ServerError(
+            "use_beam_search needs max_tokens as a number (null, up to max_model_len, is not served with beams)",
+            param="max_tokens",
+        )
     try:
-        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                                temperature=temperature, length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+        return BeamSearchParams(
+            beam_width=params.n,
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            temperature=temperature,
+            length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+        )
     except ValueError as e:
         raise ServerError.invalid(e) from None
 
 
-BEAM_REFUSES = ("stop", "stop_token_ids", "logprobs", "prompt_logprobs", "seed", "top_p", "top_k", "min_p", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words")  # SamplingParams fields beam search ignores
+BEAM_REFUSES = (
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+    "seed",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "allowed_token_ids",
+    "bad_words",
+)  # SamplingParams fields beam search ignores
 
 
 def validation_message(error):
@@ -788,8 +1096,12 @@ async def read_json(request, model):
     try:
         return model.model_validate_json(body)
     except ValidationError as e:  # jiter refuses lone surrogates and deep nesting here too
-        loc = e.errors(include_url=False)[0]["loc"]  # vLLM 0.32 (FastAPI's validation): type "Bad Request", param body.<field>
-        raise ServerError(validation_message(e), param=".".join(map(str, ("body", *loc))), type=HTTPStatus.BAD_REQUEST.phrase) from None
+        loc = e.errors(include_url=False)[0][
+            "loc"
+        ]  # vLLM 0.32 (FastAPI's validation): type "Bad Request", param body.<field>
+        raise ServerError(
+            validation_message(e), param=".".join(map(str, ("body", *loc))), type=HTTPStatus.BAD_REQUEST.phrase
+        ) from None
 
 
 async def read_body(request):
@@ -834,7 +1146,9 @@ def generate_logprobs(entries, k):
     def item(token_id, lp):
         return {"token_id": token_id, "token": lp.decoded_token, "logprob": finite(lp.logprob), "rank": lp.rank}
 
-    return [{**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries]
+    return [
+        {**item(*sampled_logprob(e)), "top_logprobs": [item(*best) for best in best_logprobs(e, k)]} for e in entries
+    ]
 
 
 def completion_logprobs(entries, offset, k, first_token=""):
@@ -846,7 +1160,10 @@ def completion_logprobs(entries, offset, k, first_token=""):
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else finite(sampled_logprob(e)[1].logprob) for e in entries],
-        "top_logprobs": [None if e is None else {lp.decoded_token: finite(lp.logprob) for lp in itertools.islice(e.values(), k + 1)} for e in entries],
+        "top_logprobs": [
+            None if e is None else {lp.decoded_token: finite(lp.logprob) for lp in itertools.islice(e.values(), k + 1)}
+            for e in entries
+        ],
         "text_offset": offsets[:-1],
     }
 
@@ -855,14 +1172,28 @@ def chat_logprobs(entries, k):
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [the k best]}]}."""
 
     def item(lp):
-        return {"token": lp.decoded_token, "logprob": finite(lp.logprob), "bytes": list(lp.decoded_token.encode("utf-8"))}
+        return {
+            "token": lp.decoded_token,
+            "logprob": finite(lp.logprob),
+            "bytes": list(lp.decoded_token.encode("utf-8")),
+        }
 
-    return {"content": [{**item(sampled_logprob(e)[1]), "top_logprobs": [item(lp) for _, lp in best_logprobs(e, k)]} for e in entries]}
+    return {
+        "content": [
+            {**item(sampled_logprob(e)[1]), "top_logprobs": [item(lp) for _, lp in best_logprobs(e, k)]}
+            for e in entries
+        ]
+    }
 
 
 def vllm_prompt_logprobs(entries):
     """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
-    return [None if e is None else {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for tid, lp in e.items()} for e in entries or []]
+    return [
+        None
+        if e is None
+        else {tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+        for e in entries or []
+    ]
 
 
 class StreamDeltas:
@@ -925,11 +1256,24 @@ class OpenAIFormat:
 
     content_type = "text/event-stream"
 
-    def __init__(self, chat, request_id, model, params, num_prompts=1, usage=(False, False), echo=False, prompt_only=False, prompt_logprobs=False):
+    def __init__(
+        self,
+        chat,
+        request_id,
+        model,
+        params,
+        num_prompts=1,
+        usage=(False, False),
+        echo=False,
+        prompt_only=False,
+        prompt_logprobs=False,
+    ):
         self.chat, self.request_id, self.model, self.params = chat, request_id, model, params
         self.num_prompts = num_prompts
         self.include_usage, self.continuous_usage = usage  # see StreamOptions.usage
-        self.echo = {} if echo else None  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
+        self.echo = (
+            {} if echo else None
+        )  # completions with echo: prompt index -> (prompt text, its first token's text), from the engine thread
         self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt is the whole answer
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field was asked for
         self.created = int(time.time())
@@ -948,7 +1292,13 @@ class OpenAIFormat:
         if not self.continuous_usage:
             return {}
         num_prompt = len(out.prompt_token_ids)
-        return {"usage": {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}}
+        return {
+            "usage": {
+                "prompt_tokens": num_prompt,
+                "completion_tokens": num_output,
+                "total_tokens": num_prompt + num_output,
+            }
+        }
 
     def parts(self, index, out, c, text):
         """(text, logprob entries, finish_reason) of one choice; with echo the prompt's come first."""
@@ -965,7 +1315,9 @@ class OpenAIFormat:
         if self.chat:
             return chat_logprobs(entries, self.params.logprobs)
         offset = self.text_offsets.get(key, 0)
-        result = completion_logprobs(entries, offset, self.params.logprobs, self.echo[index][1] if self.echo is not None else "")
+        result = completion_logprobs(
+            entries, offset, self.params.logprobs, self.echo[index][1] if self.echo is not None else ""
+        )
         self.text_offsets[key] = offset + sum(len(t) for t in result["tokens"])
         return result
 
@@ -976,7 +1328,13 @@ class OpenAIFormat:
                 key = index * self.params.n + c.index
                 text, entries, finish_reason = self.parts(index, out, c, c.text)
                 content = {"message": {"role": self.role, "content": text}} if self.chat else {"text": text}
-                choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+                choice = {
+                    "index": key,
+                    **content,
+                    "logprobs": self.logprobs(entries, key, index),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
                 if self.prompt_logprobs and not self.chat:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
@@ -989,17 +1347,41 @@ class OpenAIFormat:
         events = []
         if self.chat and not self.sent_roles:  # OpenAI opens each choice with its role
             self.sent_roles = True
-            events += [{**self.envelope([{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}], True),
-                        **self.usage_so_far(out, 0)} for i in range(self.params.n)]
+            events += [
+                {
+                    **self.envelope(
+                        [
+                            {
+                                "index": i,
+                                "delta": {"role": self.role, "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        True,
+                    ),
+                    **self.usage_so_far(out, 0),
+                }
+                for i in range(self.params.n)
+            ]
         for c in out.outputs:
             key = index * self.params.n + c.index
             new = self.deltas.new(key, *self.parts(index, out, c, c.text))
             if new is None:
                 continue
             delta, entries, finish_reason = new
-            content = {"delta": {"content": delta}} if self.chat else {"text": delta}  # the last chat delta too: {"content": ""}, as vLLM
-            choice = {"index": key, **content, "logprobs": self.logprobs(entries, key, index), "finish_reason": finish_reason}
-            if finish_reason or not self.chat:  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
+            content = (
+                {"delta": {"content": delta}} if self.chat else {"text": delta}
+            )  # the last chat delta too: {"content": ""}, as vLLM
+            choice = {
+                "index": key,
+                **content,
+                "logprobs": self.logprobs(entries, key, index),
+                "finish_reason": finish_reason,
+            }
+            if (
+                finish_reason or not self.chat
+            ):  # vLLM's stop_reason: on every completion chunk, on a chat choice's last chunk only
                 choice["stop_reason"] = c.stop_reason if finish_reason else None
             events.append({**self.envelope([choice], True), **self.usage_so_far(out, len(c.token_ids))})
         if out.finished:
@@ -1094,7 +1476,10 @@ async def refused(request, e: ServerError):
 
 async def no_route(request, e: HTTPException):  # Starlette's 404 / 405
     method, path = request.method, request.url.path
-    message = {404: f"no such endpoint: {method} {path}", 405: f"{path} takes {(e.headers or {}).get('Allow')}, not {method}"}
+    message = {
+        404: f"no such endpoint: {method} {path}",
+        405: f"{path} takes {(e.headers or {}).get('Allow')}, not {method}",
+    }
     error = ServerError(message.get(e.status_code, str(e.detail)), e.status_code)
     return JSONResponse(error.body(), e.status_code, headers=e.headers)
 
@@ -1108,9 +1493,14 @@ async def bug(request, e):  # uvicorn logs the traceback; the client gets no int
 
 
 def check_max_tokens(server, params, name="max_tokens"):
-    """vLLM's server refuses a max_tokens that no output could reach (its LLM, and nanobatch's, run to the context's end)."""
+    """vLLM's server refuses a max_tokens that no output could reach (its LLM, and nanobatch's, run to the
+    context's end)."""
     if params.max_tokens is not None and params.max_tokens > server.max_model_len:
-        raise ServerError(f"{name}={params.max_tokens} cannot be greater than max_model_len={server.max_model_len}. Please request fewer output tokens.", param=name)
+        raise ServerError(
+            f"{name}={params.max_tokens} cannot be greater than max_model_len={server.max_model_len}. "
+            "Please request fewer output tokens.",
+            param=name,
+        )
     return params
 
 
@@ -1148,7 +1538,11 @@ async def respond(request: Request, sub, fmt, stream):
     first = await unless_hung_up(request, pending, pending.next())  # add_request's ValueError is still a 400 here
     if first is None:
         return Response(status_code=499)
-    return AbortingStream(pending, stream_body(pending, fmt, first), headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"})
+    return AbortingStream(
+        pending,
+        stream_body(pending, fmt, first),
+        headers={"Content-Type": fmt.content_type, "Cache-Control": "no-cache"},
+    )
 
 
 class AbortingStream(StreamingResponse):
@@ -1189,7 +1583,8 @@ async def fill_echo(engine, fmt, index, out):
 @routes.post("/generate")
 async def generate(request: Request):
     body = reject_unsupported(await read_json(request, Generate))
-    # vLLM's /generate makes SamplingParams(**body): no generation-config defaults, and "max_tokens": null is up to max_model_len
+    # vLLM's /generate makes SamplingParams(**body): no generation-config defaults,
+    # and "max_tokens": null is up to max_model_len
     unbounded = {"max_tokens": None} if body.max_tokens is None and "max_tokens" in body.model_fields_set else {}
     params = check_max_tokens(request.app.state.server, body.sampling_params(logprobs=body.logprobs, **unbounded))
     sub = Submission([f"gen-{uuid.uuid4().hex}"], [body.prompt], params, beam=beam_search_params(body, params))
@@ -1206,15 +1601,37 @@ async def completions(request: Request):
     prompts = [body.prompt] if one else body.prompt
     prompt_only = bool(body.echo) and body.max_tokens == 0  # score the prompt: one token is generated, and dropped
     k = body.logprobs
-    prompt_k = k if body.echo and body.prompt_logprobs is None else body.prompt_logprobs  # (echo shows the first k + 1 of each)
-    # "max_tokens": null is 16, as absent (vLLM 0.32's); beam search takes no sampling settings, so no defaults for them either
+    prompt_k = (
+        k if body.echo and body.prompt_logprobs is None else body.prompt_logprobs
+    )  # (echo shows the first k + 1 of each)
+    # "max_tokens": null is 16, as absent (vLLM 0.32's); beam search takes no sampling settings,
+    # so no defaults for them either
     defaults = {} if body.use_beam_search else server.sampling_defaults
-    params = check_max_tokens(server, body.sampling_params(defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {})))
+    params = check_max_tokens(
+        server,
+        body.sampling_params(
+            defaults, logprobs=k, prompt_logprobs=prompt_k, **({"max_tokens": 1} if prompt_only else {})
+        ),
+    )
     request_id = f"cmpl-{client_request_id(request, body)}"
-    with_prompt_logprobs = body.prompt_logprobs is not None or (bool(body.echo) and k is not None)  # vLLM sends them for echo + logprobs too
-    fmt = OpenAIFormat(False, request_id, server.model_name, params, len(prompts), StreamOptions.usage(body), bool(body.echo), prompt_only, with_prompt_logprobs)
+    with_prompt_logprobs = body.prompt_logprobs is not None or (
+        bool(body.echo) and k is not None
+    )  # vLLM sends them for echo + logprobs too
+    fmt = OpenAIFormat(
+        False,
+        request_id,
+        server.model_name,
+        params,
+        len(prompts),
+        StreamOptions.usage(body),
+        bool(body.echo),
+        prompt_only,
+        with_prompt_logprobs,
+    )
     beam = beam_search_params(body, params, server.sampling_defaults.get("temperature"))
-    sub = Submission([f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))], prompts, params, beam=beam)
+    sub = Submission(
+        [f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))], prompts, params, beam=beam
+    )
     return await respond(request, sub, fmt, bool(body.stream))
 
 
@@ -1224,17 +1641,40 @@ async def chat(request: Request):
     body = reject_unsupported(check_model(server, await read_json(request, Chat)))
     if body.top_logprobs and not body.logprobs:  # (0 is taken without it, as vLLM's)
         raise ServerError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:  # (the engine's message would name its field, logprobs)
-        raise ServerError(f"top_logprobs must be an integer from 0 to 20, got {body.top_logprobs}", param="top_logprobs")
+    if (
+        body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20
+    ):  # (the engine's message would name its field, logprobs)
+        raise ServerError(
+            f"top_logprobs must be an integer from 0 to 20, got {body.top_logprobs}", param="top_logprobs"
+        )
     # None: the generation config's max_new_tokens, else up to max_model_len (vLLM's)
-    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens, server.default_max_tokens) if m is not None), None)
-    params = body.sampling_params(server.sampling_defaults, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    check_max_tokens(server, params, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+    max_tokens = next(
+        (m for m in (body.max_completion_tokens, body.max_tokens, server.default_max_tokens) if m is not None), None
+    )
+    params = body.sampling_params(
+        server.sampling_defaults, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None
+    )
+    check_max_tokens(
+        server, params, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    )
     request_id = f"chatcmpl-{client_request_id(request, body)}"
-    fmt = OpenAIFormat(True, request_id, server.model_name, params, 1, StreamOptions.usage(body), prompt_logprobs=body.prompt_logprobs is not None)
+    fmt = OpenAIFormat(
+        True,
+        request_id,
+        server.model_name,
+        params,
+        1,
+        StreamOptions.usage(body),
+        prompt_logprobs=body.prompt_logprobs is not None,
+    )
     if body.add_generation_prompt is False:  # the reply continues the last message: vLLM gives it that message's role
         fmt.role = body.messages[-1].role
-    sub = Submission([f"{request_id}-{uuid.uuid4().hex[:8]}"], [[m.for_template() for m in body.messages]], params, chat=body.template())
+    sub = Submission(
+        [f"{request_id}-{uuid.uuid4().hex[:8]}"],
+        [[m.for_template() for m in body.messages]],
+        params,
+        chat=body.template(),
+    )
     return await respond(request, sub, fmt, bool(body.stream))
 
 
@@ -1253,7 +1693,12 @@ async def tokenize(request: Request):
         return ids, llm.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 
     token_ids, token_strs = await ask(server.engine, encode)
-    return {"count": len(token_ids), "max_model_len": server.max_model_len, "tokens": token_ids, "token_strs": token_strs}
+    return {
+        "count": len(token_ids),
+        "max_model_len": server.max_model_len,
+        "tokens": token_ids,
+        "token_strs": token_strs,
+    }
 
 
 @routes.post("/detokenize")
@@ -1274,7 +1719,14 @@ async def detokenize(request: Request):
 @routes.get("/v1/models")
 async def list_models(request: Request):
     server = request.app.state.server
-    model = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nanobatch", "root": server.model_path, "max_model_len": server.max_model_len}
+    model = {
+        "id": server.model_name,
+        "object": "model",
+        "created": server.created,
+        "owned_by": "nanobatch",
+        "root": server.model_path,
+        "max_model_len": server.max_model_len,
+    }
     return {"object": "list", "data": [model]}
 
 
@@ -1298,7 +1750,9 @@ async def metrics(request: Request):
 
 def build_app(server):
     """The FastAPI app: the routes above, and every error as {"error": {...}} JSON."""
-    app = FastAPI(title="nanobatch", version=VERSION, openapi_url=None)  # bodies are parsed by hand (read_json): no schema to show
+    app = FastAPI(
+        title="nanobatch", version=VERSION, openapi_url=None
+    )  # bodies are parsed by hand (read_json): no schema to show
     app.state.server = server
     app.include_router(routes)
     app.add_exception_handler(ServerError, refused)
@@ -1353,7 +1807,9 @@ class QuietProbes(logging.Filter):
 
     def filter(self, record):
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (len(args) > 2 and str(args[2]).split("?")[0] in QUIET_PATHS)  # uvicorn's args: client, method, path, ...
+        return not (
+            len(args) > 2 and str(args[2]).split("?")[0] in QUIET_PATHS
+        )  # uvicorn's args: client, method, path, ...
 
 
 class Server:
@@ -1367,16 +1823,29 @@ class Server:
         # what a completion or chat request leaves out comes from generation_config.json, as in vLLM's server;
         # its max_new_tokens only where a chat sends no max_tokens, at most max_model_len
         defaults, plain = llm.get_default_sampling_params(), SamplingParams()
-        self.sampling_defaults = {f: getattr(defaults, f) for f in nanobatch.GENERATION_DEFAULTS if getattr(defaults, f) != getattr(plain, f)}
+        self.sampling_defaults = {
+            f: getattr(defaults, f) for f in nanobatch.GENERATION_DEFAULTS if getattr(defaults, f) != getattr(plain, f)
+        }
         new_tokens = llm.generation_config.get("max_new_tokens")
         self.default_max_tokens = None if new_tokens is None else min(new_tokens, llm.max_model_len)
-        self.socket = socket.create_server((config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128)
+        self.socket = socket.create_server(
+            (config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128
+        )
         self.metrics = ServerMetrics(self.model_name, llm)
         self.engine = EngineLoop(llm, self.metrics)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(
-            build_app(self), http=HTTPProtocol, ws="none", lifespan="off", log_config=log_config, backlog=128,
-            limit_concurrency=config.limit_concurrency, timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=5,
-        ))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                build_app(self),
+                http=HTTPProtocol,
+                ws="none",
+                lifespan="off",
+                log_config=log_config,
+                backlog=128,
+                limit_concurrency=config.limit_concurrency,
+                timeout_keep_alive=config.timeout_keep_alive,
+                timeout_graceful_shutdown=5,
+            )
+        )
         access = logging.getLogger("uvicorn.access")
         if not any(isinstance(f, QuietProbes) for f in access.filters):
             access.addFilter(QuietProbes())
@@ -1411,12 +1880,16 @@ def check_port_free(host, port):
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
-        raise OSError(f"cannot serve on host {host!r}: {e.strerror} (pick an address of this machine with --host)") from None
+        raise OSError(
+            f"cannot serve on host {host!r}: {e.strerror} (pick an address of this machine with --host)"
+        ) from None
     try:
         socket.create_server((host, port), family=family).close()
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else e.strerror  # (create_server's strerror repeats the address)
-        raise OSError(f"cannot serve on port {port} of {host}: {reason} (another server there? pick one with --port)") from None
+        raise OSError(
+            f"cannot serve on port {port} of {host}: {reason} (another server there? pick one with --port)"
+        ) from None
 
 
 def served_model_name(llm):
@@ -1428,7 +1901,9 @@ def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
     """Serve in a background thread (port 0: a free port). Returns (server, url);
     server.stop() ends it. For tests and notebooks."""
     server = Server(llm, ServerConfig(host, port, **server_config))
-    server.thread = threading.Thread(target=server.uvicorn.run, kwargs={"sockets": [server.socket]}, name="nanobatch-http", daemon=True)
+    server.thread = threading.Thread(
+        target=server.uvicorn.run, kwargs={"sockets": [server.socket]}, name="nanobatch-http", daemon=True
+    )
     server.thread.start()
     deadline = time.monotonic() + 30
     while not server.uvicorn.started and server.thread.is_alive() and time.monotonic() < deadline:
@@ -1439,11 +1914,17 @@ def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
 def serve(llm: LLM, config: ServerConfig | None = None):
     """Serve until Ctrl-C (the CLI's --serve), with uvicorn's log format and access log."""
     server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG)
-    print(f"nanobatch: serving {server.model_name} at {server.url} (POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; "
-          f"GET /v1/models, /health, /metrics, /version)", file=sys.stderr)
+    print(
+        f"nanobatch: serving {server.model_name} at {server.url} "
+        "(POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; "
+        "GET /v1/models, /health, /metrics, /version)",
+        file=sys.stderr,
+    )
     server.serve_forever()
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("server", sys.modules[__name__])  # nanobatch's --serve imports `server`: this module, not a second copy
+    sys.modules.setdefault(
+        "server", sys.modules[__name__]
+    )  # nanobatch's --serve imports `server`: this module, not a second copy
     nanobatch.main(["--serve", *sys.argv[1:]])

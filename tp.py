@@ -68,11 +68,17 @@ class TensorParallel:
 
     def check_alive(self):
         if not self.shutdown.alive:
-            raise TPError("this LLM's tensor-parallel ranks were stopped (llm.tp.shutdown(), or an interrupted step): make a new LLM")
+            raise TPError(
+                "this LLM's tensor-parallel ranks were stopped (llm.tp.shutdown(), or an interrupted step): "
+                "make a new LLM"
+            )
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
-                raise TPError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode}; its error is on stderr); the engine cannot "
-                              "run without it. A script that starts ranks needs `if __name__ == '__main__':` around its code")
+                raise TPError(
+                    f"tensor-parallel rank {rank} died (exit code {proc.exitcode}; its error is on stderr); "
+                    "the engine cannot run without it. "
+                    "A script that starts ranks needs `if __name__ == '__main__':` around its code"
+                )
 
     @contextlib.contextmanager
     def clear_errors(self):
@@ -108,8 +114,19 @@ class TensorParallel:
         """This rank's slice of checkpoint tensor `name`. t is a tensor or a lazy safetensors slice (only the
         slice is read). Row-parallel biases live on rank 0 only (zeros elsewhere): the all-reduce adds them once."""
         (q0, kv0, i0), local = shard_plan(cfg, self.rank, self.size)
-        d, q, kv, i = cfg.head_dim, local.num_heads * cfg.head_dim, local.num_kv_heads * cfg.head_dim, local.intermediate_size
-        column = {"q_proj": (q0 * d, q), "k_proj": (kv0 * d, kv), "v_proj": (kv0 * d, kv), "gate_proj": (i0, i), "up_proj": (i0, i)}
+        d, q, kv, i = (
+            cfg.head_dim,
+            local.num_heads * cfg.head_dim,
+            local.num_kv_heads * cfg.head_dim,
+            local.intermediate_size,
+        )
+        column = {
+            "q_proj": (q0 * d, q),
+            "k_proj": (kv0 * d, kv),
+            "v_proj": (kv0 * d, kv),
+            "gate_proj": (i0, i),
+            "up_proj": (i0, i),
+        }
         row = {"o_proj": (q0 * d, q), "down_proj": (i0, i)}
         module = name.split(".")[-2] if "." in name else ""
         if module in column:
@@ -123,7 +140,9 @@ class TensorParallel:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start = self.rank * local.vocab_size
             rows = t[start : min(start + local.vocab_size, cfg.vocab_size)]  # (<= local vocab, hidden)
-            return F.pad(rows, (0, 0, 0, local.vocab_size - rows.shape[0]))  # padded rows: never looked up, logits cut off
+            return F.pad(
+                rows, (0, 0, 0, local.vocab_size - rows.shape[0])
+            )  # padded rows: never looked up, logits cut off
         return t[:]
 
     def parallelize(self, model, cfg):
@@ -133,7 +152,9 @@ class TensorParallel:
         for layer in model.model.layers:
             for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 row_parallel.register_forward_hook(lambda module, args, out: self.all_reduce(out))  # (T, hidden)
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, self.rank * model.cfg.vocab_size, self)
+        model.model.embed_tokens = VocabParallelEmbedding(
+            model.model.embed_tokens, self.rank * model.cfg.vocab_size, self
+        )
         model.lm_head = GatheredLMHead(model.lm_head, cfg.vocab_size, self)
 
     def min_over_ranks(self, num_blocks, device):
@@ -148,8 +169,10 @@ class TensorParallel:
         self.check_alive()
         if self.state["in_step"]:  # the last step never reached its logits: the other ranks wait inside it
             self.shutdown()
-            raise TPError("a step of this tensor-parallel LLM was interrupted, so its ranks are out of step; they are "
-                          "stopped: make a new LLM")
+            raise TPError(
+                "a step of this tensor-parallel LLM was interrupted, so its ranks are out of step; they are "
+                "stopped: make a new LLM"
+            )
         self.state["in_step"] = True  # until GatheredLMHead has the step's logits
         with self.clear_errors():
             dist.broadcast_object_list([_to_device((block_copies, input_ids, positions, meta), "cpu")], src=0)
@@ -177,7 +200,9 @@ class TensorParallel:
 
 def _to_device(step, device):
     copies, input_ids, positions, meta = step
-    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name != "attn_plan"}  # the plan is made per rank
+    fields = {
+        f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name != "attn_plan"
+    }  # the plan is made per rank
     tensors = {name: v.to(device) for name, v in fields.items() if isinstance(v, torch.Tensor)}
     return copies, input_ids.to(device), positions.to(device), dataclasses.replace(meta, attn_plan=None, **tensors)
 
@@ -196,15 +221,20 @@ def shard_plan(cfg, rank, size):
         kv0, num_kv, num_q = r * kv_heads // n, 1, heads // n
         q0 = r * num_q
     else:
-        raise ValueError(f"tensor_parallel_size {n} exceeds the model's {kv_heads} KV heads, so it must be a multiple of them "
-                         f"and divide its {heads} attention heads")
+        raise ValueError(
+            f"tensor_parallel_size {n} exceeds the model's {kv_heads} KV heads, so it must be a multiple of them "
+            f"and divide its {heads} attention heads"
+        )
     i0, i1 = r * cfg.intermediate_size // n, (r + 1) * cfg.intermediate_size // n
-    local = dataclasses.replace(cfg, num_heads=num_q, num_kv_heads=num_kv, intermediate_size=i1 - i0, vocab_size=-(-cfg.vocab_size // n))
+    local = dataclasses.replace(
+        cfg, num_heads=num_q, num_kv_heads=num_kv, intermediate_size=i1 - i0, vocab_size=-(-cfg.vocab_size // n)
+    )
     return (q0, kv0, i0), local
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds rows [start, start + local vocab): it looks up its own ids, zeros for the rest, then all-reduce."""
+    """Each rank holds rows [start, start + local vocab): it looks up its own ids, zeros for the rest, then
+    all-reduce."""
 
     def __init__(self, embedding, start, tp):
         super().__init__()
@@ -247,7 +277,9 @@ def start(config):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # torchrun: every rank runs this same program
         if config.tensor_parallel_size not in (1, world):
-            raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size} but torchrun started {world} ranks")
+            raise ValueError(
+                f"tensor_parallel_size is {config.tensor_parallel_size} but torchrun started {world} ranks"
+            )
         config.tensor_parallel_size, rank = world, int(os.environ["RANK"])
         config.device = _rank_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
         timeout = datetime.timedelta(days=365) if rank else None  # see _rank_main
@@ -257,9 +289,13 @@ def start(config):
     if (earlier := _RANK0_TP and _RANK0_TP()) is not None and not earlier.state["ready"]:
         earlier.shutdown()  # an LLM whose construction failed (its error may still hold it): its ranks go
     if dist.is_initialized():
-        raise ValueError("this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())")
+        raise ValueError(
+            "this process already runs a tensor-parallel LLM: one per process (delete it, or call llm.tp.shutdown())"
+        )
     hf_config = nanobatch.read_config(config.model or nanobatch.default_model_path())[0]
-    shard_plan(nanobatch.ModelConfig.from_hf(hf_config), 0, config.tensor_parallel_size)  # a size the heads refuse fails before spawning
+    shard_plan(
+        nanobatch.ModelConfig.from_hf(hf_config), 0, config.tensor_parallel_size
+    )  # a size the heads refuse fails before spawning
     tp = _spawn_ranks(config)
     _RANK0_TP = weakref.ref(tp)
     return tp
@@ -287,7 +323,9 @@ def _spawn_ranks(config):
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of this process's threads or CUDA state
     kwargs = dataclasses.asdict(config)
-    tp = TensorParallel(0, n, [ctx.Process(target=_rank_main, args=(r, n, store.port, kwargs), daemon=True) for r in range(1, n)])
+    tp = TensorParallel(
+        0, n, [ctx.Process(target=_rank_main, args=(r, n, store.port, kwargs), daemon=True) for r in range(1, n)]
+    )
     for proc in tp.procs:
         proc.start()
     deadline = time.monotonic() + TP_START_SECONDS
@@ -306,14 +344,18 @@ def _rank_main(rank, size, port, kwargs):
     import nanobatch
 
     global _WORKER_TP
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides (as vLLM's workers)
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole process group: rank 0 decides (as vLLM's workers)
     if kwargs["device"] == "cpu":  # the ranks share this machine's cores: N processes of all-core threads would fight
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     store.set(f"joined/{rank}", "1")
     kwargs = {**kwargs, "device": _rank_device(kwargs["device"], rank)}
     # a rank waits for rank 0's next step as long as rank 0 stays idle: no collective timeout that matters
-    dist.init_process_group(_backend(kwargs["device"]), store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365))
+    dist.init_process_group(
+        _backend(kwargs["device"]), store=store, rank=rank, world_size=size, timeout=datetime.timedelta(days=365)
+    )
     _WORKER_TP = TensorParallel(rank, size)
     nanobatch.LLM(**kwargs)  # does not return: its TensorParallel.serve serves rank 0's steps, then exits
 
