@@ -255,22 +255,19 @@ class Sequence:
 
 
 class BlockAllocator:
-    """A pool of KV blocks with ref counts and a prefix cache. A full block is registered under a
-    chained sha256 key (parent's key, its token ids); a hit must also match the tokens and the parent
-    block, so even a key collision never shares a block computed after another prefix. A freed block
-    keeps its key until it is handed out again: the LRU free list doubles as the cache. Blocks are
-    freed tail first, so a child always precedes its parent in the free list: while a child's entry is
-    cached, the parent block it names still holds the parent's tokens."""
+    """A pool of KV blocks with ref counts and a prefix cache. A full block is cached under a chained sha256
+    key (parent's key, its token ids); a hit must also match the tokens and the parent block, so even a key
+    collision never shares a block computed after another prefix. A freed block keeps its key until it is
+    handed out again: the LRU free list doubles as the cache. Blocks are freed tail first, so a child always
+    precedes its parent in the free list: while a child's entry is cached, its parent block still holds the
+    parent's tokens."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.ref_counts = [0] * num_blocks
+        self.ref_counts = [0] * num_blocks  # sequences holding each block
         self.free_ids = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
-        self.block_keys = [None] * num_blocks  # (key, parent block id, token ids) of a registered full block
+        self.block_keys = [None] * num_blocks  # (key, parent block id, token ids) of a cached full block
         self.cached = {}  # key -> block id
-        self.num_filled = [0] * num_blocks  # token slots of each block holding K/V (kept while it sits cached in the free list)
-        self.num_filled_slots = 0  # over the blocks in use, each counted once however many hold it: kept incrementally
-        # (num_filled and num_filled_slots are statistics for EngineStats: no scheduling decision reads them)
 
     @property
     def num_free_blocks(self):
@@ -286,13 +283,13 @@ class BlockAllocator:
             if self.cached.get(key) == block_id:
                 del self.cached[key]
             self.block_keys[block_id] = None
-        self.ref_counts[block_id], self.num_filled[block_id] = 1, 0
+        self.ref_counts[block_id] = 1
         return block_id
 
-    def share(self, block_id):
-        if self.ref_counts[block_id] == 0:  # a cached free block comes back into use, contents and all
+    def add_ref(self, block_id):
+        """One more sequence holds the block (a fork, a prefix-cache hit); a cached free block comes back into use."""
+        if self.ref_counts[block_id] == 0:
             del self.free_ids[block_id]
-            self.num_filled_slots += self.num_filled[block_id]
         self.ref_counts[block_id] += 1
 
     def free(self, block_ids):
@@ -302,47 +299,42 @@ class BlockAllocator:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_ids[block_id] = None
-                self.num_filled_slots -= self.num_filled[block_id]
-
-    def count_filled(self, block_id, num_tokens):
-        """Statistics only: K/V now fill the first num_tokens slots of this (in-use) block."""
-        self.num_filled_slots += num_tokens - self.num_filled[block_id]
-        self.num_filled[block_id] = num_tokens
 
     @staticmethod
     def hash_block(parent_key, token_ids):
-        """The one function that makes a key: sha256 over (parent key, token ids as int64), so a key names
-        the whole prefix. Python's hash() is unsalted for ints and a client could aim at a collision (vLLM
-        moved to sha256 for this, CVE-2025-25183)."""
+        """The one function that makes a key: sha256 over (parent key, token ids as int64), so a key names the
+        whole prefix. Python's hash() is unsalted for ints and a client could aim at a collision (vLLM moved to
+        sha256 for this, CVE-2025-25183)."""
         return hashlib.sha256((parent_key or b"") + array.array("q", token_ids).tobytes()).digest()
 
-    def share_cached(self, key, parent_block, token_ids):
-        """The cached block holding these tokens right after block parent_block (None: the first block), shared; or None."""
+    def take_cached(self, key, parent_block, token_ids):
+        """The cached block holding token_ids right after block parent_block (None: the first block), now held
+        by one more sequence; or None."""
         block_id = self.cached.get(key)
         if block_id is None or self.block_keys[block_id] != (key, parent_block, tuple(token_ids)):
             return None  # a miss, or a collision caught by the tokens or the parent block
-        self.share(block_id)
+        self.add_ref(block_id)
+        return block_id
+
+    def cache_or_reuse(self, block_id, key, parent_block, token_ids):
+        """Cache a block that just became full. Returns the block that holds these tokens from now on: if an
+        equal block is cached already (a prompt's last block, computed again though cached, as its last token
+        always is; or the same prefix computed by another request in this step), that one takes this one's
+        place, this one goes back to the pool, and the blocks after it chain to the cached one."""
+        entry = (key, parent_block, tuple(token_ids))
+        same = self.cached.get(key)
+        if same is None:  # the first full block with these tokens serves later lookups
+            self.cached[key], self.block_keys[block_id] = block_id, entry
+        elif same != block_id and self.block_keys[same] == entry:
+            self.add_ref(same)
+            self.free([block_id])
+            return same
         return block_id
 
     def reset_cache(self):
         """Forget every cached prefix (held blocks keep their contents, they just stop being shareable)."""
         self.cached.clear()
         self.block_keys = [None] * self.num_blocks
-
-    def register(self, block_id, key, parent_block, token_ids):
-        """Cache a full block. Returns the block that holds these tokens from now on: an equal cached block
-        (one computed again though cached, as a prompt's last token always is, or the same prefix computed by
-        another request in this step) takes this one's place, this one goes back to the pool, and the blocks
-        after it chain to the cached one."""
-        entry = (key, parent_block, tuple(token_ids))
-        same = self.cached.get(key)
-        if same is None:  # the first full block with these tokens serves later lookups
-            self.cached[key], self.block_keys[block_id] = block_id, entry
-        elif same != block_id and self.block_keys[same] == entry:
-            self.share(same)
-            self.free([block_id])
-            return same
-        return block_id
 
 
 # ---- Scheduler ----
@@ -470,7 +462,7 @@ class Scheduler:
         bs = self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
             parent = seq.block_ids[i - 1] if i else None  # the block matched just before: the chain is checked link by link
-            block_id = self.allocator.share_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block_id = self.allocator.take_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
             seq.block_ids.append(block_id)
@@ -528,18 +520,17 @@ class Scheduler:
 
     def mark_computed(self, batch: ScheduledBatch):
         """After the forward: the new K/V are in the cache, full blocks become shareable."""
-        bs, allocator, caching = self.block_size, self.allocator, self.config.enable_prefix_caching
+        bs, allocator = self.block_size, self.allocator
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             before = seq.num_computed_tokens
             end = seq.num_computed_tokens = before + num_new
-            for i in range(before // bs, -(-end // bs)):  # the blocks written this step
-                allocator.count_filled(seq.block_ids[i], min(bs, end - i * bs))
-            if not caching or end // bs == before // bs:
-                continue  # (no block became full: nothing to register)
+            if not self.config.enable_prefix_caching or end // bs == before // bs:
+                continue  # (no block became full: nothing to cache)
             self._hash_full_blocks(seq, end)
             for i in range(before // bs, end // bs):
                 parent = seq.block_ids[i - 1] if i else None
-                seq.block_ids[i] = allocator.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
+                tokens = seq.token_ids[i * bs : (i + 1) * bs]
+                seq.block_ids[i] = allocator.cache_or_reuse(seq.block_ids[i], seq.block_hashes[i], parent, tokens)
 
     def fork(self, parent, num_children, make_seq):
         """Samples 1..n-1 (or beams) of parent's request: make_seq builds each child with a copy of
@@ -548,7 +539,7 @@ class Scheduler:
         for index in range(1, num_children + 1):
             child = make_seq(parent, index)
             for block_id in parent.block_ids:
-                self.allocator.share(block_id)
+                self.allocator.add_ref(block_id)
             children.append(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = children
@@ -1895,6 +1886,7 @@ class EngineStats:
 
 
 def record_stats(llm, batch):
+    """After Scheduler.mark_computed: the blocks in use hold this step's tokens."""
     s = llm.stats
     s.num_steps += 1
     s.num_preemptions += batch.num_preempted
@@ -1902,7 +1894,17 @@ def record_stats(llm, batch):
     in_use = llm.allocator.num_blocks - llm.allocator.num_free_blocks
     if in_use > s.peak_blocks_in_use:
         s.peak_blocks_in_use = in_use
-        s.kv_utilization_at_peak = llm.allocator.num_filled_slots / (in_use * llm.config.block_size)
+        s.kv_utilization_at_peak = num_filled_slots(llm.scheduler) / (in_use * llm.config.block_size)
+
+
+def num_filled_slots(scheduler):
+    """Token slots holding K/V in the blocks in use, a block counted once however many sequences hold it
+    (every block in use is held by a running sequence). Counted at a new peak only: a step costs nothing."""
+    bs, filled = scheduler.block_size, {}
+    for seq in scheduler.running:
+        for i, block_id in enumerate(seq.block_ids[: -(-seq.num_computed_tokens // bs)]):
+            filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
+    return sum(filled.values())
 
 
 class BlockTables:
@@ -2495,7 +2497,7 @@ def repoint(scheduler, seq, block_ids):
     blocks are shared before the old ones are freed: a block both hold stays put, a block
     nobody holds any more goes back to the pool at once."""
     for block_id in block_ids:
-        scheduler.allocator.share(block_id)
+        scheduler.allocator.add_ref(block_id)
     scheduler.allocator.free(seq.block_ids)
     seq.block_ids = list(block_ids)
 

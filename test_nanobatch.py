@@ -464,7 +464,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def share_prefix(self, seq, length):
         shared = self.live.get(seq, [])[:length]
         for b in shared:
-            self.allocator.share(b)
+            self.allocator.add_ref(b)
         return self._new(list(shared))
 
     @rule(seq=consumes(sequences))
@@ -476,8 +476,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks = self.live.get(seq, [])
         key = BlockAllocator.hash_block(None, tokens)
         if blocks and self.allocator.block_keys[blocks[-1]] is None:  # a block is registered once, when it fills up
-            blocks[-1] = self.allocator.register(blocks[-1], key, None, tokens)  # or an equal cached block takes its place
-        hit = self.allocator.share_cached(key, None, tokens)
+            blocks[-1] = self.allocator.cache_or_reuse(blocks[-1], key, None, tokens)  # or an equal cached block takes its place
+        hit = self.allocator.take_cached(key, None, tokens)
         return self._new([hit] if hit is not None else [])
 
     @invariant()
@@ -564,12 +564,12 @@ def check_block_ownership(scheduler, allocator):
 
 
 def check_filled_slots(scheduler, allocator):
-    """The allocator's incremental count of filled slots equals a recount over the running sequences."""
+    """Stats' count of filled slots (kv_utilization_at_peak's) equals a recount over the running sequences' blocks."""
     bs, filled = allocator.block_size, {}
     for seq in scheduler.running:
         for i, block_id in enumerate(seq.block_ids):
             filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-    assert allocator.num_filled_slots == sum(filled.values())
+    assert nanobatch.num_filled_slots(scheduler) == sum(filled.values())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
