@@ -197,19 +197,19 @@ class Request:
     metrics: RequestMetrics
     seqs: list["Sequence"] = field(default_factory=list)  # the n samples; one until the prompt is prefilled
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at the first admission
-    prompt_logprobs: list | None = None  # with params.prompt_logprobs: [None, entry for token 1, ...], filled as the prompt is computed
-    prompt_mask: torch.Tensor | None = None  # (vocab,) bool: tokens in the prompt, for repetition_penalty (built once, when first needed)
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: [None, an entry per prompt token scored so far]
+    prompt_mask: torch.Tensor | None = None  # (vocab,) bool: the prompt's tokens, for repetition_penalty (built once)
     beam: "BeamGroup | None" = None  # a beam search request: its seqs are the live beams
 
     @property
-    def forked(self):
-        # it holds all n samples (at once when n == 1); until its prompt is prefilled it is one sequence, with n seats
+    def has_all_samples(self):
+        # n > 1 samples are forked from one sequence once its prompt is prefilled (at once when n == 1)
         return len(self.seqs) == self.params.n
 
     def finished(self):
         # an aborted request may end before it forked into its n samples
         done = all(s.status == FINISHED for s in self.seqs)
-        return done and (self.forked or self.seqs[0].finish_reason == "abort")
+        return done and (self.has_all_samples or self.seqs[0].finish_reason == "abort")
 
 
 @dataclass(eq=False)  # identity: `in` and `remove` on scheduler queues must not compare fields
@@ -220,7 +220,7 @@ class Sequence:
     index: int = 0  # sample index within its request
     status: str = WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)  # the block table: position p lives in block_ids[p // block_size]
+    block_ids: list[int] = field(default_factory=list)  # the block table: position p is in block_ids[p // block_size]
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache key of each full block, chained
     generator: torch.Generator | None = None  # per-request RNG when the request has a seed
     detokenizer: object = None  # a tokenizers DecodeStream: output text grows by whole characters, O(1) per token
@@ -230,8 +230,8 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list | None = None  # one {token id: Logprob} per output token, appended
     cumulative_logprob: float = 0.0
-    output_counts: torch.Tensor | None = None  # (vocab,) int32 occurrences of each output token, for penalties; kept incrementally
-    matcher: object | None = None  # xgrammar.GrammarMatcher of a request with structured_outputs: the grammar state after this sequence's tokens
+    output_counts: torch.Tensor | None = None  # (vocab,) int32: each output token's count, for penalties
+    matcher: object | None = None  # xgrammar.GrammarMatcher (structured_outputs): the grammar's state
 
     @property
     def num_prompt_tokens(self):
@@ -246,9 +246,9 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_seats(self):
-        # a request that will fork into n samples after its prefill keeps n seats in the batch
-        return 1 if self.request.forked else self.request.params.n
+    def num_reserved_seqs(self):
+        # how many of max_num_seqs it holds: a sequence that forks into n samples after its prefill holds n
+        return 1 if self.request.has_all_samples else self.request.params.n
 
 
 # ---- Block allocator ----
@@ -353,21 +353,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Iteration-level FCFS scheduling.
+    """Iteration-level FCFS scheduling. Each step, in three passes: the running decodes, then the next chunk of
+    each unfinished prefill (each pass oldest first), then waiting requests in arrival order while the token
+    budget, max_num_seqs and the free blocks allow. A prompt longer than the token budget left is prefilled in
+    chunks over several steps.
 
-    Each step: running sequences first (decodes, then unfinished prefill chunks),
-    in admission order; then waiting requests in arrival order while the token
-    budget, the seat budget and the free blocks allow. A prompt longer than the
-    token budget left is prefilled in chunks over several steps.
-
-    Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and
-    preempted sequences go back to its front); every running decode is served every
-    step, before any prefill chunk (each class oldest first), and when blocks run out the
-    newest admission not yet scheduled in this step is preempted (so a newer decode
-    can outlast an older sequence in the middle of its prefill). One sequence alone
-    always fits the pool (checked at add time), so a preempted sequence runs again
-    once those ahead of it finish; every request has a finite length, so every
-    request finishes."""
+    Fairness: the waiting queue is strict FIFO (nobody overtakes its head, and preempted sequences go back to
+    its front); every running decode is served every step, before any prefill chunk; when blocks run out, the
+    victim is the newest admission not yet scheduled in this step (so a newer decode can outlast an older
+    sequence in the middle of its prefill). One sequence alone always fits the pool (checked at add time), so
+    a preempted sequence runs again once those ahead of it finish; every request has a finite length, so
+    every request finishes."""
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator):
         self.config, self.allocator = config, allocator
@@ -383,29 +379,33 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [])
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+        budget = self._schedule_prefill_chunks(batch, budget)
         if not batch.num_preempted:  # blocks are short when someone was preempted: admit nobody new
             self._admit_waiting(batch, budget)
         return batch
 
-    def _schedule_running(self, batch, budget):
-        """Decodes first (one token each, so that running requests never stall behind a
-        long prompt), then the next chunk of each unfinished prefill. Returns the budget left.
-        A running sequence always has at least one token not yet computed (its last sampled one):
-        a decode is one with exactly one left (the last token of a chunked prompt is one too)."""
+    def _schedule_decodes(self, batch, budget):
+        """Pass 1: each running sequence with one token left to compute (its last sampled one, or a chunked prompt's
+        last) gets it, so that running requests never stall behind a long prompt. Returns the budget left."""
         decodes = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        return self._schedule_running(decodes, batch, budget)
+
+    def _schedule_prefill_chunks(self, batch, budget):
+        """Pass 2: the next chunk of each unfinished prefill (a prompt, or the tokens of a preempted sequence).
+        Returns the budget left."""
         prefills = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        return self._schedule_running(prefills, batch, budget)
+
+    def _schedule_running(self, seqs, batch, budget):
+        for seq in seqs:
             if budget == 0:
                 break
             if seq.status != RUNNING:  # preempted earlier in this step
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self._allocate_slots(seq, num_new, batch.block_copies):
-                # the victim is the newest admission not already in this batch; when only
-                # sequences already scheduled are newer than seq, seq itself is the newest left
-                victim = next((s for s in reversed(self.running) if s not in batch.seqs), seq)
-                budget += self._preempt(victim, batch)  # (a beam group's beams already in the batch give their tokens back)
+                budget += self._preempt(self._victim(seq, batch), batch)  # (its tokens back, if it was in the batch)
                 if seq.status != RUNNING:  # seq itself went (or its beam group did)
                     break
             if seq.status == RUNNING:
@@ -414,60 +414,73 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _victim(self, seq, batch):
+        """Who is preempted when seq needs blocks: the newest admission not already in this step's batch; seq
+        itself when only sequences already scheduled are newer."""
+        return next((s for s in reversed(self.running) if s not in batch.seqs), seq)
+
     def _admit_waiting(self, batch, budget):
-        """Waiting requests in arrival order while the token, seat and block budgets allow.
-        A preempted beam group is admitted as a whole: its beams step together."""
-        seats = sum(s.num_seats for s in self.running)
+        """Pass 3: waiting requests in arrival order while the token, sequence and block budgets allow."""
+        num_seqs = sum(s.num_reserved_seqs for s in self.running)
         while self.waiting and budget > 0:
             group = self._waiting_group()
-            if seats + sum(s.num_seats for s in group) > self.config.max_num_seqs or budget < len(group):
+            num_seqs += sum(s.num_reserved_seqs for s in group)
+            if num_seqs > self.config.max_num_seqs:
                 break
-            admitted = []
-            for i, seq in enumerate(group):
-                num_cached = self._take_cached_prefix(seq)
-                # every later beam of the group keeps at least one token of the budget
-                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget - (len(group) - 1 - i))
-                if not self._allocate_slots(seq, num_new, batch.block_copies):
-                    break
-                admitted.append((seq, num_new, num_cached))
-                budget -= num_new
-            if len(admitted) < len(group):
-                for seq in group:
-                    self._release(seq)  # FCFS: the head waits for blocks, nobody overtakes it
-                break
-            for seq, num_new, num_cached in admitted:
+            num_new_tokens = self._fit_group(group, budget, batch.block_copies)
+            if num_new_tokens is None:
+                break  # FCFS: the head waits for blocks, nobody overtakes it
+            for seq, num_new in zip(group, num_new_tokens):
                 self.waiting.popleft()
-                if seq.request.num_cached_tokens is None:  # the first admission counts prefix-cache hits and ends the queue time
-                    seq.request.num_cached_tokens, seq.request.metrics.first_scheduled_time = num_cached, time.time()
-                seq.status = RUNNING
+                request, seq.status = seq.request, RUNNING
+                if request.num_cached_tokens is None:  # its first admission: prefix-cache hits, end of the queue time
+                    request.num_cached_tokens = seq.num_computed_tokens  # (no new token is computed yet)
+                    request.metrics.first_scheduled_time = time.time()
                 self.running.append(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
-                seats += seq.num_seats
+                budget -= num_new
 
     def _waiting_group(self):
-        """The head of the queue, or all of its beam group (preempted together, so they are contiguous there)."""
+        """The head of the waiting queue, a group of one; or a preempted beam group's beams, which step together
+        (preempted together, so they are contiguous there)."""
         head = self.waiting[0]
         if head.request.beam is None:
             return [head]
         return list(itertools.takewhile(lambda s: s.request is head.request, self.waiting))
 
+    def _fit_group(self, group, budget, block_copies):
+        """Cached prefix and blocks for each sequence of a waiting group: the tokens each computes this step, or
+        None (and the group holds nothing) when the budget or the blocks run short. Each sequence leaves at least
+        one token of the budget to each one after it."""
+        if budget < len(group):
+            return None
+        num_new_tokens = []
+        for i, seq in enumerate(group):
+            self._take_cached_prefix(seq)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget - (len(group) - 1 - i))
+            if not self._allocate_slots(seq, num_new, block_copies):
+                for s in group:
+                    self._release(s)
+                return None
+            num_new_tokens.append(num_new)
+            budget -= num_new
+        return num_new_tokens
+
     def _take_cached_prefix(self, seq):
-        """Serve the sequence's leading full blocks from the prefix cache. The last
-        token is always computed (it must produce logits), so at most
-        (len - 1) // block_size blocks come from the cache."""
+        """Serve the sequence's leading full blocks from the prefix cache. The last token is always computed (it
+        must produce logits), so at most (len - 1) // block_size blocks come from the cache."""
         if not self.config.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the logits of every prompt position: nothing may come from the cache
+            return  # prompt logprobs need the logits of every prompt position: nothing may come from the cache
         self._hash_full_blocks(seq, len(seq.token_ids))
         bs = self.block_size
-        for i in range((len(seq.token_ids) - 1) // bs):
-            parent = seq.block_ids[i - 1] if i else None  # the block matched just before: the chain is checked link by link
+        for i in range((len(seq.token_ids) - 1) // bs):  # the chain is checked link by link: parent, then child
+            parent = seq.block_ids[i - 1] if i else None
             block_id = self.allocator.take_cached(seq.block_hashes[i], parent, seq.token_ids[i * bs : (i + 1) * bs])
             if block_id is None:
                 break
             seq.block_ids.append(block_id)
         seq.num_computed_tokens = len(seq.block_ids) * bs
-        return seq.num_computed_tokens
 
     def _hash_full_blocks(self, seq, num_tokens):
         bs = self.block_size
@@ -476,17 +489,17 @@ class Scheduler:
             seq.block_hashes.append(BlockAllocator.hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _allocate_slots(self, seq, num_new, block_copies):
-        """Make room in the block table for positions num_computed .. num_computed + num_new - 1.
-        A sequence needs a new block exactly when a token starts one; a partial block
-        shared with a forked sibling is copied first (copy-on-write)."""
+        """Make room in the block table for positions num_computed .. num_computed + num_new - 1. A sequence needs
+        a new block exactly when a token starts one; a partial block shared with a forked sibling is copied first
+        (copy-on-write)."""
         first_pos = seq.num_computed_tokens
         num_needed = -(-(first_pos + num_new) // self.block_size) - len(seq.block_ids)  # ceil(end / block_size) - held
         # only a fork shares a partial block (the prefix cache shares full blocks, which are never written)
-        cow = first_pos % self.block_size != 0 and self.allocator.ref_counts[seq.block_ids[first_pos // self.block_size]] > 1
+        i = first_pos // self.block_size
+        cow = first_pos % self.block_size != 0 and self.allocator.ref_counts[seq.block_ids[i]] > 1
         if not self.allocator.can_allocate(num_needed + int(cow)):
             return False
         if cow:
-            i = first_pos // self.block_size
             src, dst = seq.block_ids[i], self.allocator.allocate()
             self.allocator.free([src])
             seq.block_ids[i] = dst
@@ -501,9 +514,9 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq, batch):
-        """Preemption by recompute: free the blocks and queue the sequence at the front;
-        its generated tokens are kept and prefilled again on readmission. A beam group goes
-        as a whole, beams already in this step's batch included (their tokens go back to the budget)."""
+        """Preemption by recompute: free the blocks and queue the sequence at the front; its generated tokens are
+        kept and prefilled again on readmission. A beam group goes as a whole, beams already in this step's batch
+        included. Returns the tokens they give back to the budget."""
         group = [s for s in seq.request.seqs if s.status == RUNNING] if seq.request.beam is not None else [seq]
         seq.request.metrics.num_preemptions += 1
         batch.num_preempted, budget_back = batch.num_preempted + 1, 0
@@ -533,8 +546,8 @@ class Scheduler:
                 seq.block_ids[i] = allocator.cache_or_reuse(seq.block_ids[i], seq.block_hashes[i], parent, tokens)
 
     def fork(self, parent, num_children, make_seq):
-        """Samples 1..n-1 (or beams) of parent's request: make_seq builds each child with a copy of
-        parent's block table, and each of its blocks gets one more reference here."""
+        """Samples 1..n-1 (or beams) of parent's request: make_seq builds each child with a copy of parent's block
+        table, and each of its blocks gets one more reference here."""
         children = []
         for index in range(1, num_children + 1):
             child = make_seq(parent, index)
@@ -1121,11 +1134,11 @@ class LLM:
     def _fork_samples(self, seqs, logits):
         """A request with n > 1 forks after its prompt is prefilled: the samples share the prompt's
         blocks (ref counts, Scheduler.fork) and its logits row."""
-        if all(seq.request.forked for seq in seqs):
+        if all(seq.request.has_all_samples for seq in seqs):
             return seqs, logits
         rows, samples = [], []
         for row, seq in enumerate(seqs):
-            family = [seq] if seq.request.forked else [seq, *self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)]
+            family = [seq] if seq.request.has_all_samples else [seq, *self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)]
             rows += [row] * len(family)
             samples += family
         return samples, logits[rows]  # (num_samples, vocab)
@@ -2482,7 +2495,7 @@ def advance_beams(llm, request):
     running = group.select(beams, at_limit)
     if running is None:
         return finish_beams(llm, request)
-    if not request.forked:  # after the prefill: beam_width beams, all on the prompt's blocks
+    if not request.has_all_samples:  # after the prefill: beam_width beams, all on the prompt's blocks
         beams = beams + llm.scheduler.fork(beams[0], group.params.beam_width - 1, llm._fork)
     # read every parent before re-pointing anyone: a beam may continue one re-pointed before it
     states = [(c.parent.token_ids + [c.token_id], list(c.parent.block_ids), list(c.parent.block_hashes), c.parent.num_computed_tokens, c.cum_logprob) for c in running]

@@ -532,7 +532,7 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
             scheduler.add(seq)
         batch = scheduler.schedule()
         assert batch.num_tokens <= config.max_num_batched_tokens
-        assert sum(s.num_seats for s in scheduler.running) <= config.max_num_seqs
+        assert sum(s.num_reserved_seqs for s in scheduler.running) <= config.max_num_seqs
         admitted += [s.request.request_id for s in batch.seqs if s.index == 0 and s.request.request_id not in admitted]
         check_block_ownership(scheduler, allocator)
         scheduler.mark_computed(batch)
@@ -540,7 +540,7 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
         for seq in batch.seqs:
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end samples nothing
-            family = [seq] if seq.request.forked else [seq] + scheduler.fork(seq, seq.request.params.n - 1, fork_child)
+            family = [seq] if seq.request.has_all_samples else [seq] + scheduler.fork(seq, seq.request.params.n - 1, fork_child)
             for member in family:
                 member.token_ids.append((member.seq_id + len(member.token_ids)) % 5)  # a fake sampled token
                 if len(member.output_token_ids) == member.request.params.max_tokens:
