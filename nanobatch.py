@@ -974,14 +974,13 @@ class LLM:
         self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size))
         self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.aborted: list[Request] = []  # aborted since the last step; their final outputs come out of the next one
-        self.owed: list[RequestOutput] = []  # final outputs of add_request's requests that ended inside generate(): the same
         self.generator = torch.Generator(device=self.device)
         if self.config.seed is None:
             self.generator.seed()  # a random seed, as vLLM's seed=None
         else:
             self.generator.manual_seed(self.config.seed)
-        self.request_counter, self.seq_counter = itertools.count(), itertools.count()
+        self.seq_counter = itertools.count()
+        self.pending = PendingOutputs()  # hook (Outputs): request ids, and the final outputs a later step owes
         self.stats = EngineStats()
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
@@ -1039,10 +1038,7 @@ class LLM:
         return text, token_ids, params
 
     def _enqueue(self, text, token_ids, params, request_id=None):
-        if request_id is None:  # the next number no request holds (add_request may have taken "7" by hand), nor a final output still to come
-            pending = {r.request_id for r in self.aborted} | {o.request_id for o in self.owed}
-            request_id = next(i for i in map(str, self.request_counter) if i not in self.requests and i not in pending)
-        request_id = str(request_id)
+        request_id = self.pending.new_request_id(self.requests) if request_id is None else str(request_id)  # hook
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam = None
@@ -1093,14 +1089,14 @@ class LLM:
                 seq.finish_reason = "abort"
                 finish_text(self.tokenizer, seq)
                 self.scheduler.finish(seq)
-        self.aborted.append(request)
+        self.pending.aborted.append(request)  # hook (Outputs): its final output comes out of the next step
 
     def reset_prefix_cache(self):
         """Empty the prefix cache (as vLLM's): later requests recompute every prompt block."""
         self.allocator.reset_cache()
 
     def has_unfinished_requests(self):
-        return self.scheduler.has_unfinished() or bool(self.aborted or self.owed)  # a final output is still to come
+        return self.scheduler.has_unfinished() or bool(self.pending.aborted or self.pending.owed)  # outputs to come
 
     # -- one step --
 
@@ -1110,7 +1106,7 @@ class LLM:
         sample, and return an output for every request that got a token (or ended) in this step."""
         batch = self.scheduler.schedule()  # 1. who runs this step, with how many tokens each
         if not batch.seqs:
-            return self._collect_aborted()
+            return self.pending.collect(self._make_output)  # hook (Outputs): the final outputs of aborted requests
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch; seqs: those that sample
@@ -1195,7 +1191,7 @@ class LLM:
                 touched[request.request_id] = request
         self.stats.num_output_tokens += len(token_ids)
         outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
-        return outputs + self._collect_aborted()
+        return outputs + self.pending.collect(self._make_output)  # hook (Outputs): aborted requests' final outputs
 
     def _check_stop(self, seq, token_id):
         """As vLLM: a stop token (stop_token_ids, EOS, a grammar's end) ends the output before the token
@@ -1244,16 +1240,6 @@ class LLM:
         prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
 
-    def _collect_aborted(self, only=None):
-        """Aborted requests end exactly once: their final output comes out of the next step, with the outputs
-        owed by generate(). only: these request ids' aborts alone (generate's own); the rest wait for the step."""
-        mine = [r for r in self.aborted if only is None or r.request_id in only]
-        self.aborted = [r for r in self.aborted if r not in mine]
-        done = [self._make_output(r) for r in mine]
-        if only is None:
-            done, self.owed = self.owed + done, []
-        return done
-
     # -- the offline API --
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
@@ -1277,10 +1263,10 @@ class LLM:
                     bar.update(outputs)
         except BaseException:
             self.abort_request(ids)  # a failed or interrupted run leaves nothing of its own behind
-            self._collect_aborted(only=ids)
+            self.pending.collect(self._make_output, only=ids)
             raise
         finally:
-            self.owed += others  # the next step() gives them to the caller
+            self.pending.owed += others  # hook (Outputs): the next step() gives them to the caller
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
@@ -1960,6 +1946,35 @@ def freeze_gc_heap():
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # (registered once, however many engines are made)
     atexit.register(gc.unfreeze)
+
+
+# ---- Outputs: request ids, and the final outputs a later step owes ----
+
+
+@dataclass
+class PendingOutputs:
+    """LLM.pending: what a later step owes besides its own outputs. An aborted request ends in the next step,
+    with its final output; a caller's own request (add_request) that ends inside generate() gives its final
+    output to the caller's next step(). Both keep their request ids until then: automatic ids skip them."""
+
+    aborted: list = field(default_factory=list)  # Requests aborted since the last step
+    owed: list = field(default_factory=list)  # RequestOutputs of add_request's requests that ended inside generate()
+    request_counter: object = field(default_factory=itertools.count)  # automatic request ids: "0", "1", ...
+
+    def new_request_id(self, requests):
+        """The next number no request holds (add_request may have taken "7" by hand), nor a final output to come."""
+        pending = {r.request_id for r in self.aborted} | {o.request_id for o in self.owed}
+        return next(i for i in map(str, self.request_counter) if i not in requests and i not in pending)
+
+    def collect(self, make_output, only=None):
+        """The final outputs of the aborted requests, and those owed by generate(). only: these request ids'
+        aborts alone (generate's own, when it fails); the rest wait for the next step."""
+        mine = [r for r in self.aborted if only is None or r.request_id in only]
+        self.aborted = [r for r in self.aborted if r not in mine]
+        done = [make_output(r) for r in mine]
+        if only is None:
+            done, self.owed = self.owed + done, []
+        return done
 
 
 # ---- Detokenization and stop strings ----

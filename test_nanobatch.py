@@ -1013,7 +1013,7 @@ def test_abort_frees_blocks_and_reports_once(tiny_llm):
 
 def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
     good = SamplingParams(max_tokens=3, **GREEDY)
-    taken = str(next(tiny_llm.request_counter) + 1)  # the id the next automatic one would get
+    taken = str(next(tiny_llm.pending.request_counter) + 1)  # the id the next automatic one would get
     tiny_llm.add_request([5, 6, 7], good, request_id=taken)
     outs = tiny_llm.generate([[1, 2], [3, 4]], good, use_tqdm=False)  # automatic ids skip the taken one
     assert len(outs) == 2 and taken not in [o.request_id for o in outs]
@@ -1043,7 +1043,7 @@ def test_generate_never_takes_an_id_whose_final_output_is_still_to_come(tiny_llm
     """A caller's request that ended inside generate (its output owed to the next step), or that was aborted, keeps its
     id until that output is out: a later generate's automatic id is another, and generate returns its own output."""
     greedy = SamplingParams(max_tokens=8, **GREEDY)
-    after = next(tiny_llm.request_counter)  # the next automatic ids are after + 1, + 2, ...: the two generates would take these
+    after = next(tiny_llm.pending.request_counter)  # the next automatic ids are after + 1, + 2, ...: the two generates would take these
     taken = [str(after + 2), str(after + 3)]
     tiny_llm.add_request([11, 12, 13], dataclasses.replace(greedy, max_tokens=2), request_id=taken[0])
     tiny_llm.add_request([14, 15], dataclasses.replace(greedy, max_tokens=50), request_id=taken[1])
