@@ -51,8 +51,8 @@ slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wa
 run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
 forward (schedule, prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model
 (the model forward, or on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
-inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and the Python bookkeeping
-left (beam search picks its beams outside nanobatch.sample, and structured outputs build their masks
+inside it, apart, the sampler's tensor work (nanobatch.sample_fast over the logits) and the Python bookkeeping
+left (beam search picks its beams outside nanobatch.sample_fast, and structured outputs build their masks
 outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
 max_num_seqs, the bytes one decode step must read (weights plus live KV) over the measured copy bandwidth,
 next to the measured decode step time.
@@ -314,7 +314,7 @@ class Run:
     extra_memory_bytes: int = 0  # memory the run used that the sampler cannot see (nanobatch's preallocated KV blocks)
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
-    sample_seconds: float | None = None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample (see ForwardTimer)
+    sample_seconds: float | None = None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample_fast (see ForwardTimer)
     decode_split: dict | None = None  # nanobatch on a CPU: mean decode step and the attention in it (see ForwardTimer)
     peak_blocks: tuple[int, int] | None = None  # nanobatch-beam: (KV blocks held, blocks the same beams would hold unshared), at their peaks
 
@@ -429,7 +429,7 @@ class ForwardTimer:
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
     them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
     timing each would take a sync per layer).
-    It also adds up the seconds in nanobatch.sample, the sampler's tensor work over the logits (argmax,
+    It also adds up the seconds in nanobatch.sample_fast, the sampler's tensor work over the logits (argmax,
     or sort and draw; device work on a GPU): part of the host's share, reported apart."""
 
     def __init__(self, llm):
@@ -452,7 +452,7 @@ class ForwardTimer:
             nanobatch.run_model = timed_run_model(nanobatch.run_model)
         for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
             wrap_timed(kernels, name, add_attention_seconds)
-        wrap_timed(nanobatch, "sample", add_sample_seconds, sync=True)  # what LLM.step calls to sample
+        wrap_timed(nanobatch, "sample_fast", add_sample_seconds, sync=True)  # what LLM.step calls to sample
         SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
 
     def reset(self):
@@ -484,7 +484,7 @@ def timed_run_model(run_model):
 
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
-SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample's seconds go to], once wrapped
+SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample_fast's seconds go to], once wrapped
 
 
 def add_attention_seconds(seconds):
@@ -998,7 +998,7 @@ def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
 def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cumulative"):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
     step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
-    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample).
+    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample_fast).
     output_kind: "cumulative" (add_request's default, what a server streams: every step builds an output
     for every request) or "final_only" (what generate() asks for: no per-step outputs)."""
     begin_engine_run(llm)
@@ -1320,7 +1320,7 @@ def format_engine_details(name, stats, llm, seconds, ideal_s=None, split=None, r
 def format_host_split(name, split, what):
     return (f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
             f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
-            f"{name}: of the host time, the sampler's tensor work (nanobatch.sample over the logits: device work on a GPU) "
+            f"{name}: of the host time, the sampler's tensor work (nanobatch.sample_fast over the logits: device work on a GPU) "
             f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms")
 
 

@@ -135,6 +135,11 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def has_logits_processors(self):  # any of what process_logits (Part II) applies before sampling
+        masks = self.structured_outputs is not None or self.allowed_token_ids is not None or self.bad_words
+        return bool(masks or self.min_tokens or self.logit_bias or self.has_penalties)
+
+    @property
     def text_each_step(self):
         # the text is read as it grows: streamed (cumulative outputs) or searched for stop strings; else it
         # is decoded once, when the request ends (finish_text)
@@ -836,120 +841,34 @@ def _load_hf_weights(path, tp=None):
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (logits / 1e-40 would overflow to inf, then NaN)
 
-@dataclass
-class SamplingBatch:
-    """One step's sampling parameters. Python values decide what work the step needs
-    (no device-to-host sync); tensors hold one entry per row that samples (temperature > 0):
-    greedy rows need nothing but an argmax."""
 
-    rows: torch.Tensor | None  # (R,) int64: the rows that sample; None when every row is greedy
-    temperature: torch.Tensor | None  # (R,) float
-    top_k: torch.Tensor | None  # (R,) int64, vocab size = off
-    top_p: torch.Tensor | None  # (R,) float, 1 = off
-    min_p: torch.Tensor | None  # (R,) float, 0 = off
-    plain: list[int]  # indices into R of rows without top-k and top-p: the whole row, unsorted
-    nucleus: list[int]  # indices into R of rows with top-p but no top-k, on a CPU: rejection sampling, no sort
-    best: list[int]  # indices into R of rows with top-k (and, on a GPU, top-p): thresholds read off their best tokens
-    num_best: int  # how many best tokens the `best` rows read their thresholds off (vocab size: a full sort); the draw is over the whole row
-    generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
-    max_logprobs: int | None  # most top alternatives any row asked for; None: no logprobs
-    all_greedy: bool
-    needs_fp32: bool  # False: every row is greedy with no logprobs, penalties or bias (an argmax reads any dtype)
-
-    @classmethod
-    def from_seqs(cls, seqs, vocab_size, device):
-        params = [s.request.params for s in seqs]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        sampling = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
-        ps = [params[i] for i in sampling]
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
-        # top-p alone: rejection sampling needs a few device-to-host checks; on a GPU a full sort is fast and needs none
-        nucleus = [j for j, p in enumerate(ps) if top_k[j] == vocab_size and p.top_p < 1 and device.type == "cpu"]
-        in_nucleus = set(nucleus)
-        best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in in_nucleus]
-        num_best = min(vocab_size, max(top_k[j] for j in best)) if best else 0
-        column = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device) if sampling else None  # noqa: E731
-        return cls(
-            rows=column(sampling, torch.int64), temperature=column([p.temperature for p in ps], torch.float32),
-            top_k=column(top_k, torch.int64), top_p=column([p.top_p for p in ps], torch.float32), min_p=column([p.min_p for p in ps], torch.float32),
-            plain=sorted(set(range(len(ps))) - in_nucleus - set(best)), nucleus=nucleus, best=best, num_best=num_best,
-            generators=[seqs[i].generator for i in sampling], max_logprobs=max(wanted) if wanted else None, all_greedy=not sampling,
-            needs_fp32=bool(sampling or wanted) or any(p.has_penalties or p.logit_bias for p in params),
-        )
-
-
-def sample(logits, sb: SamplingBatch, engine_generator):
-    """Greedy, temperature, top-k, top-p and min-p over the whole batch at once.
-    logits (S, vocab) fp32 (any dtype when sb.needs_fp32 is False) -> token ids (S,) int64.
-
-    A row that samples draws uniform numbers u and takes the token where the cumulative
-    probability of its kept tokens passes u (inverse-CDF sampling): a few random numbers
-    per row, not one per vocabulary entry. Seeded rows draw from their own generator,
-    so their samples do not depend on the rest of the batch."""
-    if sb.all_greedy:
-        return kernels.greedy_tokens(logits)
-    num_rows = len(sb.generators)
-    tokens = kernels.greedy_tokens(logits) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
-    x = (logits if num_rows == len(logits) else logits[sb.rows]) / sb.temperature[:, None]  # (R, vocab)
-    sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # (R,)
-
-    def uniforms(j):  # (len(j),) one fresh draw per row
-        return _uniforms([sb.generators[i] for i in j], engine_generator, x.device)
-
-    def rows_of(group):  # a group's rows of x: no copy when it is every row
-        return x if len(group) == num_rows else x[torch.tensor(group, device=x.device)]
-
-    if sb.plain:  # the whole distribution, in vocabulary order (no sort needed)
-        j = torch.tensor(sb.plain, device=x.device)
-        sampled[j] = _draw(_min_p(torch.softmax(rows_of(sb.plain), dim=-1), sb.min_p[j]), uniforms(sb.plain))
-    if sb.nucleus:  # top-p alone on a CPU: by rejection, no sort (kernels.py); exact for rows it cannot decide
-        j = torch.tensor(sb.nucleus, device=x.device)
-        draw = lambda rows: uniforms([sb.nucleus[r] for r in rows])  # noqa: E731
-        sampled[j] = kernels.sample_nucleus(rows_of(sb.nucleus), sb.top_p[j], sb.min_p[j], draw, exact=_sample_best)
-    if sb.best:
-        j = torch.tensor(sb.best, device=x.device)
-        sampled[j] = _sample_best(rows_of(sb.best), sb.num_best, sb.top_k[j], sb.top_p[j], sb.min_p[j], uniforms(sb.best))
-    if num_rows == len(logits):
-        return sampled
-    tokens[sb.rows] = sampled
+def sample(logits, seqs, engine_generator):
+    """Logits (S, vocab), row i for seqs[i] -> token ids (S,) int64: the rule, one row at a time (sample_fast, Part
+    II, gives the same tokens faster). A greedy row takes its most likely token. Any other row divides its logits
+    by the temperature, drops tokens by min-p, top-k, then top-p (vLLM's order; tokens that tie are kept or
+    dropped together), and draws one uniform u: its token is the first whose cumulative probability, in
+    vocabulary order, passes u times what is kept (inverse-CDF sampling). A request with a seed draws from its
+    own generator, so its tokens do not depend on the rest of the batch."""
+    tokens = logits.argmax(dim=-1)  # (S,) greedy
+    for row, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.temperature < GREEDY_BELOW:
+            continue
+        probs = torch.softmax(logits[row].float() / p.temperature, dim=-1)  # (vocab,)
+        probs.masked_fill_(probs < p.min_p * probs.max(), 0.0)  # min-p: less likely than min_p times the best
+        ranked = probs.sort(descending=True).values  # (vocab,) best first
+        if p.top_k > 0:  # top-k: the k best, and the tokens that tie with the k-th
+            kth = ranked[min(p.top_k, len(ranked)) - 1]
+            probs.masked_fill_(probs < kth, 0.0)
+            ranked.masked_fill_(ranked < kth, 0.0)
+        if p.top_p < 1:  # top-p: a token stays while the better ones hold less than top_p of what is kept
+            before = ranked.cumsum(0) - ranked  # (vocab,)
+            least = ranked.masked_fill(before >= p.top_p * probs.sum(), math.inf).min()
+            probs.masked_fill_(probs < least, 0.0)
+        u = torch.rand((), generator=seq.generator or engine_generator, device=logits.device)
+        cdf = probs.cumsum(0)  # (vocab,)
+        tokens[row] = torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp_(max=len(cdf) - 1)[0]
     return tokens
-
-
-def _uniforms(generators, engine_generator, device):
-    u = torch.rand(len(generators), generator=engine_generator, device=device)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            u[i] = torch.rand((), generator=gen, device=device)
-    return u
-
-
-def _sample_best(x, num_best, top_k, top_p, min_p, u):
-    """Min-p, top-k, then top-p on what they keep (vLLM's order), as thresholds on the probabilities: tokens
-    that tie at one are kept or dropped together, as vLLM's and HF's top-k keeps them. The thresholds are
-    read off each row's num_best best probabilities (a partial sort; num_best >= every row's top-k) and the
-    draw runs over the whole row in vocabulary order, so a seeded row's token does not depend on num_best
-    (the batch's largest top-k) nor on how a sort orders ties. x (R, vocab) -> token ids (R,)."""
-    probs = _min_p(torch.softmax(x, dim=-1), min_p)  # (R, vocab)
-    values = probs.topk(num_best, dim=-1).values if num_best < x.shape[1] else probs.sort(dim=-1, descending=True).values  # (R, K)
-    kth = values.gather(1, (top_k[:, None] - 1).clamp(max=values.shape[1] - 1))  # (R, 1): top-k keeps what is at least this likely
-    probs, values = probs.masked_fill(probs < kth, 0.0), values.masked_fill(values < kth, 0.0)
-    # top-p: a token stays while the tokens more likely than it hold less than top_p of the mass kept so far
-    before = values.cumsum(dim=-1) - values  # (R, K)
-    least = values.masked_fill(before >= top_p[:, None] * probs.sum(dim=-1, keepdim=True), math.inf).amin(dim=-1, keepdim=True)
-    return _draw(probs.masked_fill(probs < least, 0.0), u)
-
-
-def _min_p(probs, min_p):
-    # drop tokens less likely than min_p times the most likely one (a ratio: normalisation does not matter)
-    return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-
-
-def _draw(probs, u):
-    """Inverse-CDF draw: per row, the first token whose cumulative probability exceeds u times
-    the row's total (tokens of probability 0 are never picked). probs (R, K), u (R,) -> (R,)."""
-    cdf = probs.cumsum(dim=-1)
-    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return index.clamp_(max=probs.shape[1] - 1)
 
 
 # ---- Engine ----
@@ -982,6 +901,7 @@ class LLM:
         self.seq_counter = itertools.count()
         self.pending = PendingOutputs()  # hook (Outputs): request ids, and the final outputs a later step owes
         self.stats = EngineStats()
+        self.fast_paths = True  # Part II's sampler (False: Part I's plain sample; the same tokens)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
@@ -1120,11 +1040,7 @@ class LLM:
             logits = logits[: len(seqs)]
         outputs, seqs, logits = step_beams(self, seqs, logits)  # hook (Beam search): beam groups take their rows
         seqs, logits = self._fork_samples(seqs, logits)  # 6. n > 1: a prefilled prompt forks into its samples
-        sb = SamplingBatch.from_seqs(seqs, self.model_config.vocab_size, self.device)
-        logits = logits.float() if sb.needs_fp32 else logits  # a plain greedy batch takes its argmax in the model's dtype
-        raw, logits = process_logits(logits, seqs, self.eos_token_ids, keep_raw=sb.max_logprobs is not None)  # 7. hook: raw for logprobs
-        token_ids = sample(logits, sb, self.generator)
-        logprobs = compute_logprobs(raw, token_ids, sb.max_logprobs) if sb.max_logprobs is not None else None
+        token_ids, logprobs = self._sample(logits, seqs)  # 7. logits -> token ids
         return outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 8. append, check stops, outputs
 
     def _fork_samples(self, seqs, logits):
@@ -1138,6 +1054,20 @@ class LLM:
             rows += [row] * len(family)
             samples += family
         return samples, logits[rows]  # (num_samples, vocab)
+
+    def _sample(self, logits, seqs):
+        """6. Logits (S, vocab), row i for seqs[i] -> token ids (S,), and the logprobs asked for (or None)."""
+        num_top = max((s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None)
+        raw = logits  # logprobs are the model's (after a grammar's mask only, as vLLM's)
+        if any(s.request.params.has_logits_processors for s in seqs):  # hook (Logits processors)
+            raw, logits = process_logits(logits, seqs, self.eos_token_ids, keep_raw=num_top is not None)
+        if self.fast_paths:  # hook (Sampler speed): the same tokens, by row groups and CPU loops
+            token_ids = sample_fast(logits, seqs, self.generator)
+        else:
+            token_ids = sample(logits, seqs, self.generator)
+        logprobs = compute_logprobs(raw, token_ids, num_top) if num_top is not None else None  # hook (Logprobs)
+        return token_ids, logprobs
+
 
     def _prepare_inputs(self, batch: ScheduledBatch):
         """The flat token batch and its BatchMetadata, copied to the device once. Returns (input_ids,
@@ -1948,6 +1878,136 @@ def freeze_gc_heap():
     atexit.register(gc.unfreeze)
 
 
+# ---- Sampler speed: row groups, rejection top-p, a CPU greedy ----
+# LLM._sample's hook (llm.fast_paths): the tokens of sample (Part I), faster. sample loops over the rows and
+# sorts each whole row; here the rows are grouped by the work they need and each group runs as batched ops:
+# greedy rows need an argmax only (on a CPU, kernels.greedy_tokens' compiled or chunked argmax: faster than
+# torch's there); rows without top-k and top-p need no sort; rows with top-k read their thresholds off a
+# partial sort (topk) as wide as the batch's largest k; rows with top-p alone and no seed, on a CPU, sample
+# by rejection (kernels.sample_nucleus: no sort at all; a seeded row sorts, so that its draws are sample's).
+# The same tokens as sample for greedy rows and for seeded rows (test_fast_sampler_gives_the_reference_tokens);
+# a row without a seed draws from the engine's generator in another order, from the same distribution. No
+# device-to-host sync on a GPU (the CPU's rejection loop reads its acceptances).
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters. Python values decide what work the step needs (no device-to-host sync);
+    tensors hold one entry per row that samples (temperature > 0): greedy rows need nothing but an argmax."""
+
+    rows: torch.Tensor | None  # (R,) int64: the rows that sample; None when every row is greedy
+    temperature: torch.Tensor | None  # (R,) float
+    top_k: torch.Tensor | None  # (R,) int64, vocab size = off
+    top_p: torch.Tensor | None  # (R,) float, 1 = off
+    min_p: torch.Tensor | None  # (R,) float, 0 = off
+    plain: list[int]  # indices into R of rows without top-k and top-p: the whole row, unsorted
+    nucleus: list[int]  # indices into R of rows with top-p alone and no seed, on a CPU: rejection sampling, no sort
+    best: list[int]  # indices into R of rows with top-k (or top-p, elsewhere): thresholds read off their best tokens
+    num_best: int  # how many best tokens the `best` rows read their thresholds off (vocab size: a full sort)
+    generators: list  # (R,) torch.Generator or None (then the engine's generator is used)
+    all_greedy: bool
+
+    @classmethod
+    def from_seqs(cls, seqs, vocab_size, device):
+        params = [s.request.params for s in seqs]
+        sampling = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+        ps = [params[i] for i in sampling]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
+        # top-p alone: rejection sampling needs a few device-to-host checks; on a GPU a full sort is fast and needs none
+        cpu = device.type == "cpu"
+        nucleus = [j for j, p in enumerate(ps) if top_k[j] == vocab_size and p.top_p < 1 and cpu and p.seed is None]
+        in_nucleus = set(nucleus)
+        best = [j for j, p in enumerate(ps) if (top_k[j] < vocab_size or p.top_p < 1) and j not in in_nucleus]
+        num_best = min(vocab_size, max(top_k[j] for j in best)) if best else 0
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device) if sampling else None
+
+        return cls(
+            rows=column(sampling, torch.int64), temperature=column([p.temperature for p in ps], torch.float32),
+            top_k=column(top_k, torch.int64), top_p=column([p.top_p for p in ps], torch.float32),
+            min_p=column([p.min_p for p in ps], torch.float32),
+            plain=sorted(set(range(len(ps))) - in_nucleus - set(best)), nucleus=nucleus, best=best, num_best=num_best,
+            generators=[seqs[i].generator for i in sampling], all_greedy=not sampling,
+        )
+
+
+def sample_fast(logits, seqs, engine_generator):
+    """sample's tokens, by row groups. logits (S, vocab), any dtype (a greedy row's argmax reads it as it is) ->
+    token ids (S,) int64."""
+    sb = SamplingBatch.from_seqs(seqs, logits.shape[1], logits.device)
+    greedy = kernels.greedy_tokens if logits.device.type == "cpu" else lambda x: x.argmax(dim=-1)  # a GPU: one argmax
+    if sb.all_greedy:
+        return greedy(logits)
+    num_rows = len(sb.generators)
+    tokens = greedy(logits) if num_rows < len(logits) else None  # (S,): the greedy rows' tokens
+    x = (logits if num_rows == len(logits) else logits[sb.rows]).float() / sb.temperature[:, None]  # (R, vocab)
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=x.device)  # (R,)
+
+    def uniforms(j):  # (len(j),) one fresh draw per row
+        return _uniforms([sb.generators[i] for i in j], engine_generator, x.device)
+
+    def rows_of(group):  # a group's rows of x: no copy when it is every row
+        return x if len(group) == num_rows else x[torch.tensor(group, device=x.device)]
+
+    if sb.plain:  # the whole distribution, in vocabulary order (no sort needed)
+        j = torch.tensor(sb.plain, device=x.device)
+        sampled[j] = _draw(_min_p(torch.softmax(rows_of(sb.plain), dim=-1), sb.min_p[j]), uniforms(sb.plain))
+    if sb.nucleus:  # top-p alone on a CPU: by rejection, no sort (kernels.py); exact for rows it cannot decide
+        j = torch.tensor(sb.nucleus, device=x.device)
+        draw = lambda rows: uniforms([sb.nucleus[r] for r in rows])  # noqa: E731
+        sampled[j] = kernels.sample_nucleus(rows_of(sb.nucleus), sb.top_p[j], sb.min_p[j], draw, exact=_sample_best)
+    if sb.best:
+        j = torch.tensor(sb.best, device=x.device)
+        k, p, m = sb.top_k[j], sb.top_p[j], sb.min_p[j]
+        sampled[j] = _sample_best(rows_of(sb.best), sb.num_best, k, p, m, uniforms(sb.best))
+    if num_rows == len(logits):
+        return sampled
+    tokens[sb.rows] = sampled
+    return tokens
+
+
+def _uniforms(generators, engine_generator, device):
+    u = torch.rand(len(generators), generator=engine_generator, device=device)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i] = torch.rand((), generator=gen, device=device)
+    return u
+
+
+def _sample_best(x, num_best, top_k, top_p, min_p, u):
+    """Min-p, top-k, then top-p on what they keep (vLLM's order), as thresholds on the probabilities: tokens
+    that tie at one are kept or dropped together, as vLLM's and HF's top-k keeps them. The thresholds are
+    read off each row's num_best best probabilities (a partial sort; num_best >= every row's top-k) and the
+    draw runs over the whole row in vocabulary order, so a seeded row's token does not depend on num_best
+    (the batch's largest top-k) nor on how a sort orders ties. x (R, vocab) -> token ids (R,)."""
+    probs = _min_p(torch.softmax(x, dim=-1), min_p)  # (R, vocab)
+    partial = num_best < x.shape[1]
+    values = probs.topk(num_best, dim=-1).values if partial else probs.sort(dim=-1, descending=True).values  # (R, K)
+    # (R, 1): top-k keeps what is at least this likely
+    kth = values.gather(1, (top_k[:, None] - 1).clamp(max=values.shape[1] - 1))
+    probs, values = probs.masked_fill(probs < kth, 0.0), values.masked_fill(values < kth, 0.0)
+    # top-p: a token stays while the tokens more likely than it hold less than top_p of the mass kept so far
+    # (top_p 1 keeps every token, as sample skips it: no rounding of the cumulative sum may drop the last ones)
+    before = values.cumsum(dim=-1) - values  # (R, K)
+    limit = (top_p[:, None] * probs.sum(dim=-1, keepdim=True)).masked_fill(top_p[:, None] >= 1, math.inf)  # (R, 1)
+    least = values.masked_fill(before >= limit, math.inf).amin(dim=-1, keepdim=True)
+    return _draw(probs.masked_fill(probs < least, 0.0), u)
+
+
+def _min_p(probs, min_p):
+    # drop tokens less likely than min_p times the most likely one (a ratio: normalisation does not matter)
+    return probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+
+
+def _draw(probs, u):
+    """Inverse-CDF draw: per row, the first token whose cumulative probability exceeds u times
+    the row's total (tokens of probability 0 are never picked). probs (R, K), u (R,) -> (R,)."""
+    cdf = probs.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return index.clamp_(max=probs.shape[1] - 1)
+
+
 # ---- Outputs: request ids, and the final outputs a later step owes ----
 
 
@@ -2066,11 +2126,14 @@ def truncate_at_stop_string(seq, num_chars_before):
 
 
 def process_logits(logits, seqs, eos_token_ids, keep_raw):
-    """The step's logits processors, in place, before sampling: grammar masks (Structured outputs),
-    then min_tokens, logit_bias and the repetition / frequency / presence penalties (vLLM's order).
-    Rows whose request asks for none of them cost nothing. logits (S, vocab), row i for seqs[i].
+    """LLM._sample's hook, where a row's request asks for one: the step's logits processors, in place, before
+    sampling: grammar masks (Structured outputs), then min_tokens, logit_bias and the repetition / frequency /
+    presence penalties (vLLM's order). Rows whose request asks for none of them cost nothing. logits (S, vocab),
+    row i for seqs[i], in fp32 where a bias or a penalty changes them (a mask is exact in any dtype).
     Returns (the logits logprobs are taken from, the processed logits): with keep_raw, a copy after
     the grammar masks and before the rest (vLLM masks in its model runner, before its sampler)."""
+    if any(s.request.params.has_penalties or s.request.params.logit_bias for s in seqs):
+        logits = logits.float()
     apply_grammar_masks(logits, seqs)
     raw = logits.clone() if keep_raw else None
     return raw, apply_penalties(logits, seqs, eos_token_ids)

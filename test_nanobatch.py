@@ -46,7 +46,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import kernels
 import nanobatch
 import transformers
-from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, StructuredOutputsParams, BeamSearchParams
+from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingParams, Scheduler, Sequence, sample, sample_fast, StructuredOutputsParams, BeamSearchParams
 import tp
 try:  # names, not the module: `server` is the fixture below
     from server import VERSION, start_server, structured_outputs_from_request
@@ -1123,9 +1123,8 @@ def test_sampler_never_picks_an_excluded_token(seed, temperature, top_k, top_p, 
     logits = torch.randn(6, 40, generator=gen) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(6)]
-    sb = SamplingBatch.from_seqs(seqs, 40, torch.device("cpu"))
-    for _ in range(20):
-        tokens = sample(logits, sb, gen)
+    for sampler in (sample, sample_fast) * 10:  # the reference and the engine's fast path
+        tokens = sampler(logits, seqs, gen)
         for row in range(6):
             assert not clearly_excluded(logits[row], temperature, top_k, top_p, min_p)[tokens[row]]
 
@@ -1134,9 +1133,10 @@ def test_sampler_temperature_zero_is_argmax():
     logits = torch.randn(5, 100)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0, top_p=0.5)] + [SamplingParams(temperature=0.0)] * 2
     seqs = [Sequence(i, Request(str(i), None, [1], p, RequestMetrics(0.0)), [1]) for i, p in enumerate(params)]
-    tokens = sample(logits, SamplingBatch.from_seqs(seqs, 100, torch.device("cpu")), torch.Generator())
     argmax = logits.argmax(-1)
-    assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
+    for sampler in (sample, sample_fast):
+        tokens = sampler(logits, seqs, torch.Generator())
+        assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -1406,7 +1406,7 @@ def test_sampler_draws_the_filtered_distribution():
     for params in [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.2, top_k=5), SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=1.0)]:
         n = 20000
         seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(n)]
-        tokens = sample(logits.expand(n, -1).contiguous(), SamplingBatch.from_seqs(seqs, 30, torch.device("cpu")), torch.Generator().manual_seed(2))
+        tokens = sample_fast(logits.expand(n, -1).contiguous(), seqs, torch.Generator().manual_seed(2))
         freq = torch.bincount(tokens, minlength=30).double() / n
         probs = torch.softmax(logits[0].double() / params.temperature, -1)
         order = probs.argsort(descending=True)
@@ -1420,6 +1420,39 @@ def test_sampler_draws_the_filtered_distribution():
         expected = torch.where(keep, probs, 0.0)
         expected /= expected.sum()
         assert (freq - expected).abs().max() < 0.015, params
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.lists(st.tuples(st.sampled_from([0.0, 0.6, 1.0, 1.7]), st.sampled_from([0, 1, 3, 40, 64]), st.sampled_from([1.0, 0.95, 0.5, 0.2]),
+                            st.sampled_from([0.0, 0.1]), st.booleans()), min_size=1, max_size=8),
+    ties=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_fast_sampler_gives_the_reference_tokens(seed, rows, ties, dtype):
+    """sample_fast (row groups, partial sorts, rejection top-p, the CPU's greedy) gives sample's tokens (Part I's
+    rule) to every greedy row and to every seeded row, step after step, whatever else the batch holds; a row
+    without a seed draws from the engine's generator in another order (test_sampler_never_picks_an_excluded_token)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 64, generator=gen) * 3
+    logits = (logits.round() if ties else logits).to(dtype)  # bf16 logits often tie
+
+    def batch():  # each sampler gets its own sequences: a seeded one's generator advances with its draws
+        seqs = []
+        for i, (temperature, top_k, top_p, min_p, seeded) in enumerate(rows):
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + i if seeded else None)
+            generator = torch.Generator().manual_seed(seed + i) if seeded else None
+            seqs.append(Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1], generator=generator))
+        return seqs
+
+    reference, fast = batch(), batch()
+    same = [i for i, (temperature, *_, seeded) in enumerate(rows) if temperature == 0 or seeded]
+    for _ in range(3):
+        want = sample(logits, reference, torch.Generator().manual_seed(1))
+        got = sample_fast(logits, fast, torch.Generator().manual_seed(2))
+        assert got.dtype == want.dtype == torch.int64
+        assert got[same].tolist() == want[same].tolist(), rows
 
 
 # ---- Structured outputs ----
@@ -4263,7 +4296,7 @@ def test_bench_latencies_are_seconds_from_the_runs_start(tiny_llm, monkeypatch):
     """The engine's metrics are wall-clock (time.time(), as vLLM's): TTFT within the run, TPOT within a step's reach."""
     import bench
 
-    for module, name in ((nanobatch, "run_model"), (nanobatch, "sample"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step")):
+    for module, name in ((nanobatch, "run_model"), (nanobatch, "sample_fast"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step")):
         monkeypatch.setattr(module, name, getattr(module, name))  # ForwardTimer wraps them: undone after the test
     tiny_llm.forward_timer = bench.ForwardTimer(tiny_llm)
     workload = bench.random_workload(tiny_llm.model_config.vocab_size, 4, 3, 9, 2, 5)
