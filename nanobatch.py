@@ -255,6 +255,10 @@ class Sequence:
         # how many of max_num_seqs it holds: a sequence that forks into n samples after its prefill holds n
         return 1 if self.request.has_all_samples else self.request.params.n
 
+    def slot(self, pos, block_size):
+        """Where position pos's K/V live in the KV pool: its block's id * block_size + its offset in the block."""
+        return self.block_ids[pos // block_size] * block_size + pos % block_size
+
 
 # ---- Block allocator ----
 
@@ -577,15 +581,16 @@ class Scheduler:
 
 @dataclass
 class BatchMetadata:
-    """How the flat token batch is packed; passed explicitly to every attention layer."""
+    """How the flat token batch is packed (LLM._prepare_inputs); passed explicitly to every attention layer.
+    Each field's reader is named after its shape."""
 
-    query_start_loc: torch.Tensor  # int32 (num_seqs + 1,): sequence i's tokens are rows [loc[i], loc[i+1])
-    seq_lens: torch.Tensor  # int32 (num_seqs,): cached + new tokens of each sequence
-    slot_mapping: torch.Tensor  # int64 (num_tokens,): cache slot of each new token's K/V
-    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks): entries past a sequence's last block are stale ids, never read
-    logits_indices: torch.Tensor  # int64 (num_sampled,): rows whose logits are needed
-    decode_only: bool = False  # every sequence brings one token and samples it: logits_indices is 0..num_seqs-1
-    attn_plan: object = None  # the CPU attention's per-step plan (kernels.plan_paged_attention), made in Model.forward
+    query_start_loc: torch.Tensor  # int32 (num_seqs + 1,), paged_attention: sequence i's rows are [loc[i], loc[i+1])
+    seq_lens: torch.Tensor  # int32 (num_seqs,), paged_attention: cached + new tokens of each sequence
+    slot_mapping: torch.Tensor  # int64 (num_tokens,), store_kv: the cache slot of each new token's K/V
+    block_tables: torch.Tensor  # int32 (num_seqs, max_blocks), paged_attention: block ids, padded with 0 (never read)
+    logits_indices: torch.Tensor  # int64 (num_sampled,), Model.forward: the rows whose logits are needed
+    decode_only: bool = False  # LLM.step (CUDA graphs replay these): each sequence brings one token and samples it
+    attn_plan: object = None  # paged_attention on a CPU: its per-step plan (pack_inputs, Part II); None: it plans
 
 
 @dataclass
@@ -745,9 +750,6 @@ class Model(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: BatchMetadata):
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
-        # the CPU attention's plan, shared by every layer too (which rows decode, and how: compiled loops or torch groups); None on Triton
-        k_cache = kv_caches[0][0]
-        meta.attn_plan = kernels.plan_paged_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], self.cfg.num_kv_heads, k_cache.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         x = x[meta.logits_indices]  # only the rows that will be sampled: (num_sampled, hidden)
@@ -901,7 +903,7 @@ class LLM:
         self.seq_counter = itertools.count()
         self.pending = PendingOutputs()  # hook (Outputs): request ids, and the final outputs a later step owes
         self.stats = EngineStats()
-        self.fast_paths = True  # Part II's sampler (False: Part I's plain sample; the same tokens)
+        self.fast_paths = True  # Part II's packing and sampler (False: Part I's plain code; the same results)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
         freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
@@ -1070,38 +1072,39 @@ class LLM:
 
 
     def _prepare_inputs(self, batch: ScheduledBatch):
-        """The flat token batch and its BatchMetadata, copied to the device once. Returns (input_ids,
-        positions, meta, the sequences that sample, prompt-logprob spans). Logits rows: one per
-        sampling sequence (its last token), then the prompt positions of prompt_logprob_rows."""
+        """3. The step's tokens packed flat (no padding), with the BatchMetadata that says where each sequence's
+        rows are and where each token's K/V go. Returns (input_ids, positions, meta, the sequences that sample,
+        prompt-logprob spans). Logits rows: one per sequence whose chunk reaches its end (its last token predicts
+        the next), then the prompt positions of prompt_logprob_rows."""
+        if self.fast_paths:  # hook (host-speed habits): the same tensors, vectorised, from persistent block tables
+            return pack_inputs(self, batch)
         bs = self.config.block_size
-        input_ids, seq_lens, sample_rows, sampled = [], [], [], []
-        start = 0
+        input_ids, positions, slot_mapping, seq_lens, sample_rows, sampled = [], [], [], [], [], []
+        query_start_loc = [0]  # sequence i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1] - 1
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            end = seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[seq.num_computed_tokens : end]
-            seq_lens.append(end)
-            if end == len(seq.token_ids):  # the last chunk reaches the end of the sequence: this row samples the next token
-                sample_rows.append(start + num_new - 1)
+            first = seq.num_computed_tokens  # positions before it have their K/V in the cache already
+            for pos in range(first, first + num_new):
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slot_mapping.append(seq.slot(pos, bs))  # block_ids[pos // bs] * bs + pos % bs
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(first + num_new)
+            if first + num_new == len(seq.token_ids):  # the chunk reaches the end: its last row samples the next token
+                sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
-            start += num_new
-        prompt_rows, prompt_spans = prompt_logprob_rows(batch)  # hook (Logprobs)
-        # positions and cache slots, vectorised over the batch's tokens
-        num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
-        seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
-        starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
-        # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
-        positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
-        # each sequence's block ids, padded to the longest: BlockTables (Part II) keeps them in one persistent table
-        rows = self.block_tables.rows(batch.seqs)  # (num_seqs,) and writes only what changed since the last step
-        max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        block_tables = self.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
-        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # slot = block * block_size + offset
-        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731 (one copy to the device each, not waited for)
-        meta = BatchMetadata(query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
-                             logits_indices=to(torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)),
-                             decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows)
-        return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
+        prompt_rows, prompt_spans = prompt_logprob_rows(batch)  # hook (Logprobs): rows that score prompt tokens
+        width = max(len(s.block_ids) for s in batch.seqs)
+        block_tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]  # padding is never read
+        i32, i64 = {"dtype": torch.int32, "device": self.device}, {"dtype": torch.int64, "device": self.device}
+        meta = BatchMetadata(
+            query_start_loc=torch.tensor(query_start_loc, **i32),
+            seq_lens=torch.tensor(seq_lens, **i32),
+            slot_mapping=torch.tensor(slot_mapping, **i64),
+            block_tables=torch.tensor(block_tables, **i32),
+            logits_indices=torch.tensor(sample_rows + prompt_rows, **i64),
+            decode_only=len(input_ids) == len(batch.seqs) == len(sampled) and not prompt_rows,
+        )
+        return torch.tensor(input_ids, **i64), torch.tensor(positions, **i64), meta, sampled, prompt_spans
 
     def _append_tokens(self, seqs, token_ids, logprobs):
         now = time.time()
@@ -1850,8 +1853,9 @@ class BlockTables:
     def rows(self, seqs):
         """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
         for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
-            self.free_rows.append(self.row_of.pop(seq))
-            del self.synced[seq]
+            row = self.row_of.pop(seq)
+            self.table[row, : len(self.synced.pop(seq))] = 0  # padding reads 0, as in the plain packing's tables
+            self.free_rows.append(row)
         rows = []
         for seq in seqs:
             if seq not in self.row_of:
@@ -1859,11 +1863,54 @@ class BlockTables:
             row, held, ids = self.row_of[seq], self.synced[seq], seq.block_ids
             # mostly the table just grew; a copy-on-write or a re-pointed beam changed a held block: rewrite the row
             first = len(held) if ids[: len(held)] == held else 0
-            if first < len(ids):
+            if first < len(ids) or len(ids) < len(held):
+                self.table[row, len(ids) : len(held)] = 0  # (a table that shrank: its padding reads 0 again)
                 self.table[row, first : len(ids)] = torch.tensor(ids[first:], dtype=torch.int32)
                 self.synced[seq] = list(ids)
             rows.append(row)
         return torch.tensor(rows, dtype=torch.int64)
+
+
+def pack_inputs(llm, batch):
+    """LLM._prepare_inputs' hook (llm.fast_paths): its tensors, the same, built the fast way. Positions and slots
+    are vectorised over the batch's tokens; the block tables are gathered from BlockTables' persistent rows (one
+    index op, not rebuilt from nested lists); each tensor is copied to the device once, not waited for. Also the
+    CPU attention's per-step plan, shared by every layer (which rows decode, and how: compiled loops or torch
+    groups; None on Triton)."""
+    bs = llm.config.block_size
+    input_ids, seq_lens, sample_rows, sampled = [], [], [], []
+    start = 0
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        end = seq.num_computed_tokens + num_new
+        input_ids += seq.token_ids[seq.num_computed_tokens : end]
+        seq_lens.append(end)
+        if end == len(seq.token_ids):  # the last chunk reaches the end of the sequence: this row samples the next token
+            sample_rows.append(start + num_new - 1)
+            sampled.append(seq)
+        start += num_new
+    prompt_rows, prompt_spans = prompt_logprob_rows(batch)  # hook (Logprobs)
+    num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
+    starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
+    # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
+    positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
+    rows = llm.block_tables.rows(batch.seqs)  # (num_seqs,), and writes only what changed since the last step
+    max_blocks = max(len(s.block_ids) for s in batch.seqs)
+    block_tables = llm.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
+    slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # block id * block_size + offset
+    to = lambda t: t.to(llm.device, non_blocking=True)  # noqa: E731 (one copy to the device each, not waited for)
+    logits_indices = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64)
+    meta = BatchMetadata(
+        query_start_loc=to(starts), seq_lens=to(seq_lens), slot_mapping=to(slots), block_tables=to(block_tables),
+        logits_indices=to(logits_indices), decode_only=start == len(batch.seqs) == len(sampled) and not prompt_rows
+    )
+    # the CPU attention's plan, shared by every layer (which rows decode, and how); None on Triton
+    k_cache = llm.layer_caches[0][0]  # (num_blocks, block_size, kv_heads, head_dim)
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    plan_args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, block_size, num_kv_heads, k_cache.dtype)
+    meta.attn_plan = kernels.plan_paged_attention(*plan_args)
+    return to(torch.tensor(input_ids)), to(positions), meta, sampled, prompt_spans
 
 
 def freeze_gc_heap():

@@ -1185,6 +1185,44 @@ def test_preemption_keeps_seeded_samples(tiny_models, tiny_llm):
     assert small.allocator.num_free_blocks == small.allocator.num_blocks
 
 
+def test_plain_packing_and_sampler_give_the_fast_paths_results(tiny_models, monkeypatch):
+    """Part I's plain versions give the tensors and tokens of Part II's fast paths. In every step pack_inputs builds
+    the plain LLM._prepare_inputs' tensors, field for field (prefill chunks beside decodes, forks and their
+    copy-on-write, prefix-cache hits, prompt logprobs, preemptions); and the engine on Part I's plain code
+    (fast_paths False: the reference sampler too) gives the same outputs: greedy, seeded samples, logprobs."""
+    llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=24, block_size=4, max_num_batched_tokens=24, max_num_seqs=8, **CPU)
+    fast, decode_only = nanobatch.pack_inputs, []
+
+    def both(llm, batch):
+        got = fast(llm, batch)
+        llm.fast_paths = False
+        want = llm._prepare_inputs(batch)
+        llm.fast_paths = True
+        for name in ("input_ids", "positions", *(f.name for f in dataclasses.fields(nanobatch.BatchMetadata) if f.name != "attn_plan")):
+            a, b = (getattr(x[2], name, None) if name not in ("input_ids", "positions") else x[name == "positions"] for x in (got, want))
+            assert (a.dtype, a.tolist()) == (b.dtype, b.tolist()) if isinstance(a, torch.Tensor) else a == b, name
+        assert got[3] == want[3] and got[4] == want[4]  # the sequences that sample, the prompt-logprob spans
+        decode_only.append(got[2].decode_only)
+        return got
+
+    monkeypatch.setattr(nanobatch, "pack_inputs", both)
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 5000) for _ in range(9)]  # a prefix the cache serves
+    prompts = [shared + [rng.randrange(100, 5000) for _ in range(n)] for n in (3, 30, 1, 12, 7)]
+    params = [SamplingParams(max_tokens=10, **GREEDY), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=6, prompt_logprobs=1, **GREEDY), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=2, max_tokens=9, ignore_eos=True)]
+    fast_outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert True in decode_only and False in decode_only and llm.stats.num_preemptions > 0
+    llm.reset_prefix_cache()  # the plain run starts from the same empty cache
+    llm.fast_paths = False
+    plain_outputs = llm.generate(prompts, params, use_tqdm=False)
+    for f, p in zip(fast_outputs, plain_outputs):
+        assert [(c.token_ids, c.logprobs) for c in f.outputs] == [(c.token_ids, c.logprobs) for c in p.outputs]
+        assert f.prompt_logprobs == p.prompt_logprobs and f.num_cached_tokens == p.num_cached_tokens
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
 def test_logit_bias_is_clamped_to_openais_range(tiny_llm):
     """A bias beyond float32 (1e39) would make inf, and -inf + inf NaN: clamped to 100, it forces its token."""
     greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
@@ -2792,7 +2830,7 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
-    """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
+    """However many layers, the step plans the CPU attention once (pack_inputs) and every layer uses that plan."""
     calls, plans = [], []
     real_plan, real_attention = kernels._plan, kernels.paged_attention_cpu
     monkeypatch.setattr(kernels, "_plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
