@@ -49,8 +49,8 @@ compared). Each system has one small warm-up run first. For every nanobatch syst
 included; not nanobatch-tpN) also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token
 slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wall time (the longest request
 run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
-forward (schedule, prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model
-(the model forward, or on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
+forward (schedule, prepare inputs, sample, append and detokenize), measured by timing the model's forward and
+nanobatch.replay_graph (on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
 inside it, apart, the sampler's tensor work (nanobatch.sample_fast over the logits) and the Python bookkeeping
 left (beam search picks its beams outside nanobatch.sample_fast, and structured outputs build their masks
 outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
@@ -422,15 +422,16 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
 
 
 class ForwardTimer:
-    """Adds up the seconds an engine spends in its model forward by wrapping nanobatch.run_model (the step's
-    call of the model: eager, or a CUDA graph's replay); everything else in LLM.step is the host's work. On a
-    GPU it synchronises after each forward so that the GPU's work is counted here, not in the host's share
-    (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap).
+    """Adds up the seconds an engine spends in its model forward by wrapping its model's forward and
+    nanobatch.replay_graph (the step's call of the model: eager, or a CUDA graph's replay); everything else
+    in LLM.step is the host's work. On a GPU it synchronises after each forward so that the GPU's work is
+    counted here, not in the host's share (nanobatch waits for each step's sampled tokens anyway, so this
+    costs no overlap).
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
     them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
     timing each would take a sync per layer).
-    It also adds up the seconds in nanobatch.sample_fast, the sampler's tensor work over the logits (argmax,
-    or sort and draw; device work on a GPU): part of the host's share, reported apart."""
+    It also adds up the seconds in nanobatch.sample_fast, the sampler's tensor work over the logits
+    (argmax, or sort and draw; device work on a GPU): part of the host's share, reported apart."""
 
     def __init__(self, llm):
         self.seconds, self.sample_seconds = 0.0, 0.0
@@ -448,9 +449,11 @@ class ForwardTimer:
             return out
 
         llm.step = timed_step
-        if not getattr(nanobatch.run_model, "bench_timed", False):  # once per process; each engine's seconds go to its own timer
-            nanobatch.run_model = timed_run_model(nanobatch.run_model)
-        for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
+        if not getattr(nanobatch.replay_graph, "bench_timed", False):  # once per process; each engine's seconds go to its own timer
+            nanobatch.replay_graph = timed_run_model(nanobatch.replay_graph)
+        forward = llm.model.forward  # an eager step calls the model itself
+        llm.model.forward = functools.partial(timed_run_model(lambda llm, *args: forward(*args)), llm)
+        for name in ("paged_attention", "plan_paged_attention"):  # attention, and its plan (made by pack_inputs)
             wrap_timed(kernels, name, add_attention_seconds)
         wrap_timed(nanobatch, "sample_fast", add_sample_seconds, sync=True)  # what LLM.step calls to sample
         SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
@@ -468,13 +471,13 @@ class ForwardTimer:
 
 
 def timed_run_model(run_model):
-    def timed(llm, input_ids, positions, meta):
-        timer = getattr(llm, "forward_timer", None)
+    def timed(llm, input_ids, positions, *rest):  # rest: (meta) for replay_graph, (kv caches, meta) for the model
+        timer, meta = getattr(llm, "forward_timer", None), rest[-1]
         if timer is None:
-            return run_model(llm, input_ids, positions, meta)
+            return run_model(llm, input_ids, positions, *rest)
         timer.is_decode[0] = len(input_ids) == len(meta.seq_lens)
         start = time.perf_counter()
-        out = run_model(llm, input_ids, positions, meta)
+        out = run_model(llm, input_ids, positions, *rest)
         synchronize(llm.device)
         timer.seconds += time.perf_counter() - start
         return out

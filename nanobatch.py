@@ -18,12 +18,14 @@ One engine step, top to bottom of this file:
     -> logits at the last token of each sequence whose prompt is all computed -> Sampler
     -> append token, check stop -> RequestOutput
 
-Part I, the engine, in the order of a step: Config | Sampling parameters and outputs | Requests
-and sequences | Block allocator | Scheduler | Model | Loading | Sampler | Engine (LLM.step is the
-algorithm in under 30 lines). Part II, after the banner that closes Part I: the plug-ins, each reached
-from one named hook in Part I, then the CLI. kernels.py holds the attention kernels (Triton, and the
-plain-torch references that state the rule); tp.py (tensor parallelism) and server.py (HTTP) are
-options in their own modules, imported only when asked for.
+Start reading at LLM.step (the Engine section, at the end of Part I): the algorithm above in eight
+numbered steps, under 30 lines; then Scheduler, BlockAllocator, LLM._prepare_inputs (position -> slot),
+kernels.paged_attention_ref, sample. Part I, the engine, in the order of a step: Config | Sampling
+parameters and outputs | Requests and sequences | Block allocator | Scheduler | Model | Loading |
+Sampler | Engine. Part II, after the banner that closes Part I: the plug-ins and speed paths, each reached
+from one named hook in Part I (`if` its feature is in use), then the CLI. kernels.py holds the attention
+kernels (Triton, and the plain-torch references that state the rule); tp.py (tensor parallelism) and
+server.py (HTTP) are options in their own modules, imported only when asked for.
 
 Run:  python nanobatch.py --prompts prompts.txt            (default model: SmolLM2-135M-Instruct)
       python nanobatch.py --model path/to/hf_folder_or.gguf --prompts - < prompts.txt
@@ -66,22 +68,22 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or a .gguf file; None: SmolLM2-135M-Instruct
-    tokenizer: str | None = None  # a HF folder or .gguf file whose tokenizer replaces the model's own (vLLM's name); None: the model's
+    model: str | None = None  # HF folder (config.json, *.safetensors, tokenizer) or .gguf file; None: SmolLM2-135M
+    tokenizer: str | None = None  # a HF folder or .gguf file whose tokenizer replaces the model's (vLLM's)
     block_size: int = 16  # tokens per KV block (a power of two, 1..256)
     max_num_seqs: int = 256  # most sequences in one step
     max_num_batched_tokens: int = 2048  # most tokens in one step (a hard cap: longer prompts are prefilled in chunks)
     max_model_len: int | None = None  # most tokens (prompt + output) per sequence; None: the model's own limit
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of GPU memory the weights, activations and KV pool may use
     num_kv_blocks: int | None = None  # explicit KV pool size in blocks; overrides the memory-based sizing
-    kv_cache_memory_bytes: int | None = None  # explicit KV pool size in bytes; default 1 GiB on CPU, from gpu_memory_utilization on CUDA
+    kv_cache_memory_bytes: int | None = None  # KV pool size in bytes; default: 1 GiB on a CPU, see above on CUDA
     enable_prefix_caching: bool = True  # share full KV blocks (prompt and output) between requests with equal prefixes
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, and on a CPU as kernels.cpu_prefers_bf16 decides), "float32", "float16", "bfloat16"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, on a CPU if kernels.cpu_prefers_bf16), or one of DTYPES
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    seed: int | None = 0  # seeds the engine's one generator, which samples every request that has no seed of its own; None: a random seed
-    tensor_parallel_size: int = 1  # ranks that split each layer (Megatron); >1 spawns ranks 1..N-1, or runs under torchrun
+    seed: int | None = 0  # seeds the generator of the requests without a seed of their own; None: random
+    tensor_parallel_size: int = 1  # ranks splitting each layer (Megatron; tp.py): spawned, or torchrun
     enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs the model eagerly (vLLM's name)
-    trust_remote_code: bool = False  # taken, as vLLM's: nanobatch runs its own Llama code, never code shipped with a model
+    trust_remote_code: bool = False  # taken, as vLLM's: nanobatch runs its own Llama code, never a model's
 
     def __post_init__(self):
         check_engine_config(self)  # hook (Validation): clear errors for bad numbers and devices
@@ -116,16 +118,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # return each prompt token's log-probability and this many top alternatives
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it occurs in the output
-    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, negative multiplied
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's range, as vLLM's server)
+    repetition_penalty: float = 1.0  # prompt and output tokens: logits > 0 divided by it, < 0 multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100] (OpenAI's)
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
-    bad_words: list[str] | None = None  # words the output may not contain (their tokens, as vLLM matches them: see ban_bad_words)
-    min_tokens: int = 0  # no EOS / stop_token_ids end before this many tokens (unless a grammar allows nothing else), no stop string before one more
-    include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS included) that ended the output in its text
+    bad_words: list[str] | None = None  # words the output may not contain (as vLLM matches them: ban_bad_words)
+    min_tokens: int = 0  # no stop token ends the output before this many tokens (see _check_stop)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token, EOS too) in the text
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
-    output_kind: str = "cumulative"  # what step() returns per request: "cumulative" (every step, all so far) or "final_only"
-    structured_outputs: "StructuredOutputsParams | None" = None  # constrain the output to a JSON schema, regex, choice or grammar (see Structured outputs)
-    bad_words_token_ids: list | None = field(default=None, init=False, repr=False, compare=False)  # bad_words tokenized for the model (check_fits)
+    output_kind: str = "cumulative"  # step()'s outputs: "cumulative" (each step, all so far) or "final_only"
+    structured_outputs: "StructuredOutputsParams | None" = None  # a JSON schema, regex, choice or grammar
+    # bad_words tokenized for the model (check_fits)
+    bad_words_token_ids: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_sampling_params(self)  # normalises (a lone stop string, top_k -1) and names what is wrong
@@ -875,38 +878,42 @@ def sample(logits, seqs, engine_generator):
 
 # ---- Engine ----
 
+
 class LLM:
-    """The engine: vLLM's offline API (`generate`) on top of a step loop that callers
-    can also drive themselves (`add_request`, `step`, `has_unfinished_requests`)."""
+    """The engine: vLLM's offline API (`generate`) on top of a step loop that callers can also drive themselves
+    (`add_request`, `step`, `has_unfinished_requests`). Start reading at `step`: the algorithm."""
 
     def __init__(self, model=None, **engine_config):
-        self.config = EngineConfig(model=model, **engine_config)
-        self.tp = start_tensor_parallel(self.config)  # hook (Tensor parallelism: tp.py): None, or this rank's place in the group
-        self.device = torch.device(self.config.device)
-        path = os.path.expanduser(self.config.model or default_model_path())
-        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(path, self.config.torch_dtype, self.device, self._set_max_model_len, self.tp, self.config.tokenizer)
-        self.generation_config = read_generation_config(path)  # hook (Generation config): {} but for a HF folder with one
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config, self.generation_config)  # hook (Generation config)
+        self.config = c = EngineConfig(model=model, **engine_config)
+        self.tp = start_tensor_parallel(c)  # hook (tp.py): None, or this rank's place in the group
+        self.device = torch.device(c.device)
+        path = os.path.expanduser(c.model or default_model_path())
+        self.model, self.tokenizer, self.model_config, self.hf_config = load_model(
+            path, c.torch_dtype, self.device, self._set_max_model_len, self.tp, c.tokenizer
+        )
+        self.generation_config = read_generation_config(path)  # hook (Generation config): {} but in a HF folder
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config, self.generation_config)  # hook (same)
         self.kv_pool, num_blocks = self._allocate_kv_cache()
-        self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(self.model_config.num_layers)]  # (K, V) views per layer
-        self.allocator = BlockAllocator(num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.allocator)
-        # every running sequence's block table, kept on the host and updated in place (Part II: host-speed habits)
-        self.block_tables = BlockTables(self.config.max_num_seqs, -(-self.max_model_len // self.config.block_size))
-        self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
+        num_layers = self.model_config.num_layers
+        self.layer_caches = [(self.kv_pool[0, i], self.kv_pool[1, i]) for i in range(num_layers)]  # (K, V) per layer
+        self.allocator = BlockAllocator(num_blocks, c.block_size)
+        self.scheduler = Scheduler(c, self.allocator)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.generator = torch.Generator(device=self.device)
-        if self.config.seed is None:
+        self.seq_counter = itertools.count()
+        self.generator = torch.Generator(device=self.device)  # draws for the requests without a seed of their own
+        if c.seed is None:
             self.generator.seed()  # a random seed, as vLLM's seed=None
         else:
-            self.generator.manual_seed(self.config.seed)
-        self.seq_counter = itertools.count()
+            self.generator.manual_seed(c.seed)
+        vocab_size = self.model_config.vocab_size
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, vocab_size, self.eos_token_ids)
+        self.token_texts = {}  # token id -> its text, for logprobs (decoded once per token id, not per step)
         self.pending = PendingOutputs()  # hook (Outputs): request ids, and the final outputs a later step owes
-        self.stats = EngineStats()
+        self.stats = EngineStats()  # hook (Stats)
         self.fast_paths = True  # Part II's packing and sampler (False: Part I's plain code; the same results)
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.block_tables = BlockTables(c.max_num_seqs, -(-self.max_model_len // c.block_size))  # hook (host-speed)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
-        freeze_gc_heap()  # hook (Stats, and host-speed habits): no full-heap GC scans inside the step loop
+        freeze_gc_heap()  # hook (host-speed habits): no full-heap GC scans inside the step loop
         if self.tp is not None:
             self.tp.ready(self)  # hook (tp.py): ranks > 0 now run the model on rank 0's steps, then exit
 
@@ -921,7 +928,7 @@ class LLM:
         self.max_model_len = self.config.max_model_len or limit
 
     def get_default_sampling_params(self):
-        """vLLM's: SamplingParams with the model's generation_config.json settings (temperature, top_p, ...); generate's default."""
+        """vLLM's: SamplingParams with generation_config.json's settings (temperature, ...); generate's default."""
         return default_sampling_params(self.generation_config)  # hook (Generation config)
 
     def _allocate_kv_cache(self):
@@ -929,17 +936,18 @@ class LLM:
         bytes_per_block = 2 * cfg.num_layers * c.block_size * cfg.num_kv_heads * cfg.head_dim * c.torch_dtype.itemsize
         if c.num_kv_blocks is not None:
             num_blocks = c.num_kv_blocks
-        else:
-            num_blocks = (c.kv_cache_memory_bytes or kv_cache_budget(self)) // bytes_per_block  # hook (KV pool size): 1 GiB on a CPU
-        if self.tp is not None:
-            num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # hook (tp.py): block ids mean one slot on every rank
+        else:  # hook (KV pool size): 1 GiB on a CPU, what a profile run leaves on a GPU
+            num_blocks = (c.kv_cache_memory_bytes or kv_cache_budget(self)) // bytes_per_block
+        if self.tp is not None:  # hook (tp.py): a block id means one slot on every rank
+            num_blocks = self.tp.min_over_ranks(num_blocks, self.device)
         if num_blocks < 1:
-            raise ValueError(f"no memory is left for the KV cache (one block takes {bytes_per_block} bytes): raise num_kv_blocks or kv_cache_memory_bytes,"
-                             " or on a GPU lower max_num_batched_tokens or raise gpu_memory_utilization")
-        # (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): K and V of every layer, one tensor,
-        # so that a copy-on-write of block src -> dst is one indexing op over all layers
-        kv_pool = torch.zeros(2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=c.torch_dtype, device=self.device)
-        return kv_pool, num_blocks
+            raise ValueError(
+                f"no memory is left for the KV cache (one block takes {bytes_per_block} bytes): raise num_kv_blocks or"
+                " kv_cache_memory_bytes, or on a GPU lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        # K and V of every layer in one tensor, so that a copy-on-write of block src -> dst is one indexing op
+        shape = (2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return torch.zeros(shape, dtype=c.torch_dtype, device=self.device), num_blocks
 
     # -- requests in --
 
@@ -951,12 +959,14 @@ class LLM:
     def _validate(self, prompt, params, **change):
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+            what = type(params).__name__
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {what}")
         # a copy (its lists too), as vLLM: the caller may reuse or change theirs (beam groups give only final outputs)
-        params = dataclasses.replace(params, **change) if isinstance(params, SamplingParams) else dataclasses.replace(params)
+        params = dataclasses.replace(params, **(change if isinstance(params, SamplingParams) else {}))
         text, token_ids = tokenize_prompt(self, prompt)  # hook (Validation): a string, token ids or a dict
         check_fits(self, token_ids, params)  # hook (Validation): the request fits the model and the pool
-        self.structured_outputs.compile(getattr(params, "structured_outputs", None))  # a constraint that does not compile fails here, not mid-run
+        # a constraint that does not compile fails here, not mid-run
+        self.structured_outputs.compile(getattr(params, "structured_outputs", None))
         return text, token_ids, params
 
     def _enqueue(self, text, token_ids, params, request_id=None):
@@ -964,7 +974,7 @@ class LLM:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam = None
-        if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width seats; the group does the rest
+        if isinstance(params, BeamSearchParams):  # the scheduler sees beam_width sequences; the group does the rest
             beam = BeamGroup(params, frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
             params = params.sampling_params()
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=time.time()), beam=beam)
@@ -979,15 +989,15 @@ class LLM:
         return self.tokenizer
 
     def chat_prompt(self, messages, **template):
-        """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids}; template: vLLM's chat options (see Validation)."""
+        """A conversation as a prompt, {"prompt": text, "prompt_token_ids": ids}; template: vLLM's chat options."""
         return chat_prompt(self.tokenizer, messages, **template)  # hook (Validation): the tokenizer's chat template
 
     def _new_seq(self, request, token_ids, index):
-        seed = request.params.seed
-        # each sample draws from its own stream: seed, seed + 1, ... (kept inside torch's seed range)
-        generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63) if seed is not None else None
+        seed, generator = request.params.seed, None
+        if seed is not None:  # each sample draws from its own stream: seed, seed + 1, ... (inside torch's seed range)
+            generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**63)
         seq = Sequence(next(self.seq_counter), request, token_ids, index=index, generator=generator)
-        seq.matcher = self.structured_outputs.new_matcher(request.params)  # a fork starts before its first token: a fresh one
+        seq.matcher = self.structured_outputs.new_matcher(request.params)  # a fork starts before its first token
         request.seqs.append(seq)
         return seq
 
@@ -1024,52 +1034,33 @@ class LLM:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching: schedule, run the model once over the packed batch,
-        sample, and return an output for every request that got a token (or ended) in this step."""
+        """One iteration of continuous batching, steps 1-8 (a hook runs a plug-in of Part II, where its feature is in
+        use): returns an output for every request that got a token (or ended) in this step."""
         batch = self.scheduler.schedule()  # 1. who runs this step, with how many tokens each
         if not batch.seqs:
             return self.pending.collect(self._make_output)  # hook (Outputs): the final outputs of aborted requests
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
-        input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. one flat batch; seqs: those that sample
+        input_ids, positions, meta, seqs, prompt_spans = self._prepare_inputs(batch)  # 3. seqs: those that sample
         if self.tp is not None:  # hook (tp.py): the other ranks' inputs
             self.tp.broadcast_step(batch.block_copies, input_ids, positions, meta)
-        logits = run_model(self, input_ids, positions, meta)  # 4. hook (CUDA graphs): (sampled + prompt-logprob rows, vocab)
+        if self.cuda_graphs is not None and meta.decode_only:  # hook (CUDA graphs): a decode step, replayed
+            logits = replay_graph(self, input_ids, positions, meta)
+        else:  # 4. run the model: logits (sampled rows + prompt-logprob rows, vocab)
+            logits = self.model(input_ids, positions, self.layer_caches, meta)
         self.scheduler.mark_computed(batch)  # 5. the new K/V are cached: full blocks become shareable
-        record_stats(self, batch)  # hook (Stats), after 5: the blocks in use hold this step's tokens
-        if prompt_spans:  # hook (Logprobs): the prompt positions' rows
+        record_stats(self, batch)  # hook (Stats)
+        if prompt_spans:  # hook (Logprobs): the prompt positions' rows, after the sampled ones
             record_prompt_logprobs(self, logits[len(seqs) :], prompt_spans)
             logits = logits[: len(seqs)]
-        outputs, seqs, logits = step_beams(self, seqs, logits)  # hook (Beam search): beam groups take their rows
-        seqs, logits = self._fork_samples(seqs, logits)  # 6. n > 1: a prefilled prompt forks into its samples
-        token_ids, logprobs = self._sample(logits, seqs)  # 7. logits -> token ids
-        return outputs + self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 8. append, check stops, outputs
-
-    def _fork_samples(self, seqs, logits):
-        """A request with n > 1 forks after its prompt is prefilled: the samples share the prompt's
-        blocks (ref counts, Scheduler.fork) and its logits row."""
-        if all(seq.request.has_all_samples for seq in seqs):
-            return seqs, logits
-        rows, samples = [], []
-        for row, seq in enumerate(seqs):
-            family = [seq] if seq.request.has_all_samples else [seq, *self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)]
-            rows += [row] * len(family)
-            samples += family
-        return samples, logits[rows]  # (num_samples, vocab)
-
-    def _sample(self, logits, seqs):
-        """6. Logits (S, vocab), row i for seqs[i] -> token ids (S,), and the logprobs asked for (or None)."""
-        num_top = max((s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None)
-        raw = logits  # logprobs are the model's (after a grammar's mask only, as vLLM's)
-        if any(s.request.params.has_logits_processors for s in seqs):  # hook (Logits processors)
-            raw, logits = process_logits(logits, seqs, self.eos_token_ids, keep_raw=num_top is not None)
-        if self.fast_paths:  # hook (Sampler speed): the same tokens, by row groups and CPU loops
-            token_ids = sample_fast(logits, seqs, self.generator)
-        else:
-            token_ids = sample(logits, seqs, self.generator)
-        logprobs = compute_logprobs(raw, token_ids, num_top) if num_top is not None else None  # hook (Logprobs)
-        return token_ids, logprobs
-
+        outputs = []
+        if any(seq.request.beam is not None for seq in seqs):  # hook (Beam search): beam groups take their rows
+            outputs, seqs, logits = step_beams(self, seqs, logits)
+        seqs, logits = self._fork_samples(seqs, logits)  # 6. sample: n > 1 forks a prefilled prompt first,
+        token_ids, logprobs = self._sample(logits, seqs)  # then logits -> token ids
+        requests = self._append_tokens(seqs, token_ids.tolist(), logprobs)  # 7. append, check stops (one host copy)
+        outputs += [self._make_output(r) for r in requests]  # 8. outputs
+        return outputs + self.pending.collect(self._make_output)  # hook (Outputs): aborted requests' final outputs
 
     def _prepare_inputs(self, batch: ScheduledBatch):
         """3. The step's tokens packed flat (no padding), with the BatchMetadata that says where each sequence's
@@ -1106,31 +1097,56 @@ class LLM:
         )
         return torch.tensor(input_ids, **i64), torch.tensor(positions, **i64), meta, sampled, prompt_spans
 
+    def _fork_samples(self, seqs, logits):
+        """6. A request with n > 1 forks after its prompt is prefilled: the samples share the prompt's blocks (ref
+        counts, Scheduler.fork) and its logits row."""
+        if all(seq.request.has_all_samples for seq in seqs):
+            return seqs, logits
+        rows, samples = [], []
+        for row, seq in enumerate(seqs):
+            family = [seq]
+            if not seq.request.has_all_samples:
+                family += self.scheduler.fork(seq, seq.request.params.n - 1, self._fork)
+            rows += [row] * len(family)
+            samples += family
+        return samples, logits[rows]  # (num_samples, vocab)
+
+    def _sample(self, logits, seqs):
+        """6. Logits (S, vocab), row i for seqs[i] -> token ids (S,), and the logprobs asked for (or None)."""
+        num_top = max((s.request.params.logprobs for s in seqs if s.request.params.logprobs is not None), default=None)
+        raw = logits  # logprobs are the model's (after a grammar's mask only, as vLLM's)
+        if any(s.request.params.has_logits_processors for s in seqs):  # hook (Logits processors)
+            raw, logits = process_logits(logits, seqs, self.eos_token_ids, keep_raw=num_top is not None)
+        if self.fast_paths:  # hook (Sampler speed): the same tokens, by row groups and CPU loops
+            token_ids = sample_fast(logits, seqs, self.generator)
+        else:
+            token_ids = sample(logits, seqs, self.generator)
+        logprobs = compute_logprobs(raw, token_ids, num_top) if num_top is not None else None  # hook (Logprobs)
+        return token_ids, logprobs
+
     def _append_tokens(self, seqs, token_ids, logprobs):
-        now = time.time()
-        touched = {}  # requests that may have an output: every cumulative one, a final_only one when a sample ends
+        """7. Each sequence's new token: appended, then checked for a stop. Returns the requests with an output in
+        this step (every cumulative one, a final_only one when it ends)."""
+        now, requests = time.time(), {}
         for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.token_ids.append(token_id)
-            params = seq.request.params
             track_token(self, seq, row, token_id, logprobs)  # hook (Part II): grammar state, penalty counts, logprobs
             self._check_stop(seq, token_id)
             if seq.finish_reason is not None:
-                finish_text(self.tokenizer, seq)
+                finish_text(self.tokenizer, seq)  # hook (Detokenization): the text, if it was not decoded as it grew
                 self.scheduler.finish(seq)
             request = seq.request
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if params.output_kind != "final_only" or seq.finish_reason is not None:
-                touched[request.request_id] = request
-        self.stats.num_output_tokens += len(token_ids)
-        outputs = [self._make_output(r) for r in touched.values() if r.params.output_kind != "final_only" or r.finished()]
-        return outputs + self.pending.collect(self._make_output)  # hook (Outputs): aborted requests' final outputs
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            if request.params.output_kind != "final_only" or request.finished():
+                requests[request.request_id] = request
+        self.stats.num_output_tokens += len(token_ids)  # hook (Stats)
+        return list(requests.values())
 
     def _check_stop(self, seq, token_id):
-        """As vLLM: a stop token (stop_token_ids, EOS, a grammar's end) ends the output before the token
-        has text, which leaves its text out unless include_stop_str_in_output; then the text grows and may
-        end with a stop string. Before min_tokens the sampler takes no stop token (apply_penalties masks them)
-        unless a grammar allows nothing else."""
+        """As vLLM: a stop token (stop_token_ids, EOS, a grammar's end) ends the output before the token has text,
+        which leaves its text out unless include_stop_str_in_output; then the text grows and may end with a stop
+        string. Before min_tokens the sampler takes no stop token (apply_penalties masks them) unless a grammar
+        allows nothing else."""
         params, num_output = seq.request.params, seq.num_output_tokens
         if seq.finish_reason is not None:  # a grammar's dead end (advance_grammar) ended it already
             return
@@ -1138,7 +1154,8 @@ class LLM:
         stop_token = eos or token_id in params.stop_token_ids
         if stop_token or grammar_terminated(seq):
             seq.finish_reason = "stop"
-            # vLLM checks the tokenizer's EOS first (no stop_reason); any other stop token, generation_config's EOS ids too, is the stop_reason
+            # vLLM checks the tokenizer's EOS first (no stop_reason); any other stop token (generation_config's
+            # EOS ids too) is the stop_reason
             if stop_token and not (eos and token_id == self.tokenizer.eos_token_id):
                 seq.stop_reason = token_id
         num_chars = len(seq.text)
@@ -1146,40 +1163,39 @@ class LLM:
             detokenize(self.tokenizer, seq, token_id)
         if seq.finish_reason is not None:
             return
-        if num_output > params.min_tokens and params.stop and truncate_at_stop_string(seq, num_chars):  # (vLLM: not in the min_tokens-th token)
+        # (a stop string, as vLLM's: not in the min_tokens-th token)
+        if num_output > params.min_tokens and params.stop and truncate_at_stop_string(seq, num_chars):
             seq.finish_reason = "stop"
         elif num_output >= (params.max_tokens or math.inf) or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     def _make_output(self, request: Request) -> RequestOutput:
-        finished = request.finished()
+        """8. A snapshot of the request: the lists that grow are copied (callers and server threads may keep it while
+        the engine runs on); a running sample holds back what could be the start of a stop string, as vLLM's."""
+        finished, params = request.finished(), request.params
         if finished:
             request.metrics.finished_time = request.metrics.finished_time or time.time()
             if self.requests.get(request.request_id) is request:  # it ends exactly once (an abort took it out already,
                 del self.requests[request.request_id]  # and its id may be another request's since)
-        # a snapshot: the lists that grow are copied (callers and server threads may keep it while the engine runs on);
-        # a running sample holds back what could be the start of a stop string (cut off once complete), as vLLM's
-        params = request.params
         hold = max(map(len, params.stop), default=1) - 1 if not params.include_stop_str_in_output else 0
-        completions = [
-            CompletionOutput(
-                s.index, s.text[: max(0, len(s.text) - hold)] if hold and s.finish_reason is None else s.text, s.output_token_ids, s.finish_reason, s.stop_reason,
-                list(s.logprobs) if s.logprobs is not None else None, s.cumulative_logprob if s.logprobs is not None else None,
-            )
-            for s in request.seqs
-        ]
-        if finished and request.beam is None:  # aborted before its prompt was prefilled: its other n - 1 samples end as empty as it
-            completions += [dataclasses.replace(completions[0], index=i, token_ids=[]) for i in range(len(completions), params.n)]
-        prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished, request.num_cached_tokens or 0, request.metrics, prompt_logprobs)
+        completions = []
+        for s in request.seqs:
+            text = s.text[: max(0, len(s.text) - hold)] if hold and s.finish_reason is None else s.text
+            lp = (list(s.logprobs), s.cumulative_logprob) if s.logprobs is not None else (None, None)
+            completions.append(CompletionOutput(s.index, text, s.output_token_ids, s.finish_reason, s.stop_reason, *lp))
+        if finished and request.beam is None:  # aborted before its prompt was prefilled: its other samples end empty
+            empty = dataclasses.replace(completions[0], token_ids=[])
+            completions += [dataclasses.replace(empty, index=i) for i in range(len(completions), params.n)]
+        r, prompt_logprobs = request, list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+        args = (r.request_id, r.prompt, r.prompt_token_ids, completions, finished, r.num_cached_tokens or 0, r.metrics)
+        return RequestOutput(*args, prompt_logprobs)
 
     # -- the offline API --
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in input order.
-        prompts: a string, a token-id list, a {"prompt" / "prompt_token_ids"} dict, or a list of
-        them. (Requests queued earlier with add_request run along; the final outputs of those that end meanwhile
-        come out of the next step(), not here.)"""
+        """Run every prompt to completion with continuous batching; outputs in input order. prompts: a string, a
+        token-id list, a {"prompt" / "prompt_token_ids"} dict, or a list of them. (Requests queued earlier with
+        add_request run along; the final outputs of those that end meanwhile come out of the next step(), not here.)"""
         # hook (Validation): every prompt is checked before any is queued; only final outputs (no per-step copies)
         validated = validate_prompts(self, prompts, sampling_params, output_kind="final_only")
         ids, finished, others, bar = [], {}, [], None
@@ -1206,7 +1222,8 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, **template) -> list[RequestOutput]:
         """vLLM's LLM.chat: generate for one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
-        conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], (list, tuple)) else [messages]
+        one = not (messages and isinstance(messages, list) and isinstance(messages[0], (list, tuple)))
+        conversations = [messages] if one else messages
         return self.generate([self.chat_prompt(c, **template) for c in conversations], sampling_params, use_tqdm)
 
     def beam_search(self, prompts, params: "BeamSearchParams", use_tqdm=False) -> list["BeamSearchOutput"]:
@@ -1218,13 +1235,15 @@ class LLM:
 # =====================================================================================
 #
 # Everything below joins the engine at a named place: check_* (check_model_path, check_checkpoint, ...) /
-# validate_prompts / tokenize_prompt / chat_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF files), scale_rope (Long context),
-# read_generation_config / eos_token_ids / default_sampling_params (Generation config), kv_cache_budget (KV pool size), capture_cuda_graphs / run_model (CUDA graphs), record_stats /
-# BlockTables / freeze_gc_heap (Stats and host-speed habits), detokenize / finish_text / truncate_at_stop_string
-# (Detokenization), process_logits (Logits processors), prompt_logprob_rows / record_prompt_logprobs /
-# track_token (Logprobs and the per-token state), StructuredOutputManager / grammar_terminated
-# (Structured outputs), step_beams (Beam search), start_tensor_parallel (Tensor parallelism: the hooks
-# marked tp.py are the methods of the object it returns), _GenerateProgress (the progress bar).
+# validate_prompts / tokenize_prompt / chat_prompt (Validation), read_gguf / gguf_tokenizer / gguf_weights (GGUF
+# files), scale_rope (Long context), read_generation_config / eos_token_ids / default_sampling_params (Generation
+# config), kv_cache_budget (KV pool size), capture_cuda_graphs / replay_graph (CUDA graphs), record_stats (Stats),
+# BlockTables / pack_inputs / freeze_gc_heap (host-speed habits), sample_fast (Sampler speed), PendingOutputs
+# (Outputs), detokenize / finish_text / truncate_at_stop_string (Detokenization), process_logits (Logits
+# processors), prompt_logprob_rows / record_prompt_logprobs / track_token (Logprobs and the per-token state),
+# StructuredOutputManager / grammar_terminated (Structured outputs), step_beams (Beam search),
+# start_tensor_parallel (Tensor parallelism: the hooks marked tp.py are the methods of the object it returns),
+# _GenerateProgress (the progress bar).
 # A learner may stop here.
 
 
@@ -1783,11 +1802,9 @@ def _capture_buckets(llm):
     return graphs
 
 
-def run_model(llm, input_ids, positions, meta):
-    """The model over one step's batch: a decode-only step replays its bucket's graph, any other runs eagerly."""
+def replay_graph(llm, input_ids, positions, meta):
+    """A decode-only step (meta.decode_only), by replaying its bucket's graph: the logits, as the model's."""
     num_seqs = meta.seq_lens.shape[0]
-    if llm.cuda_graphs is None or not meta.decode_only or num_seqs > max(llm.cuda_graphs):
-        return llm.model(input_ids, positions, llm.layer_caches, meta)
     bucket = min(b for b in llm.cuda_graphs if b >= num_seqs)
     graph, static, logits = llm.cuda_graphs[bucket]
     width = meta.block_tables.shape[1]

@@ -4334,7 +4334,7 @@ def test_bench_latencies_are_seconds_from_the_runs_start(tiny_llm, monkeypatch):
     """The engine's metrics are wall-clock (time.time(), as vLLM's): TTFT within the run, TPOT within a step's reach."""
     import bench
 
-    for module, name in ((nanobatch, "run_model"), (nanobatch, "sample_fast"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step")):
+    for module, name in ((nanobatch, "replay_graph"), (nanobatch, "sample_fast"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step"), (tiny_llm.model, "forward")):
         monkeypatch.setattr(module, name, getattr(module, name))  # ForwardTimer wraps them: undone after the test
     tiny_llm.forward_timer = bench.ForwardTimer(tiny_llm)
     workload = bench.random_workload(tiny_llm.model_config.vocab_size, 4, 3, 9, 2, 5)
