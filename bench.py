@@ -49,10 +49,10 @@ compared). Each system has one small warm-up run first. For every nanobatch syst
 included; not nanobatch-tpN) also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token
 slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wall time (the longest request
 run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
-forward (schedule, prepare inputs, sample, append and detokenize), measured by timing nanobatch.run_model
-(the model forward, or on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
-inside it, apart, the sampler's tensor work (nanobatch.sample over the logits) and the Python bookkeeping
-left (beam search picks its beams outside nanobatch.sample, and structured outputs build their masks
+forward (schedule, prepare inputs, sample, append and detokenize), measured by timing the model's forward and
+nanobatch.replay_graph (on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
+inside it, apart, the sampler's tensor work (nanobatch.sample_fast over the logits) and the Python bookkeeping
+left (beam search picks its beams outside nanobatch.sample_fast, and structured outputs build their masks
 outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
 max_num_seqs, the bytes one decode step must read (weights plus live KV) over the measured copy bandwidth,
 next to the measured decode step time.
@@ -455,7 +455,7 @@ class Run:
     stats: EngineStats | None = None  # nanobatch only
     forward_seconds: float | None = None  # nanobatch only: time in the model forward (see ForwardTimer)
     sample_seconds: float | None = (
-        None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample (see ForwardTimer)
+        None  # nanobatch only: time in the sampler's tensor work, nanobatch.sample_fast (see ForwardTimer)
     )
     decode_split: dict | None = None  # nanobatch on a CPU: mean decode step and the attention in it (see ForwardTimer)
     peak_blocks: tuple[int, int] | None = (
@@ -580,15 +580,16 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
 
 
 class ForwardTimer:
-    """Adds up the seconds an engine spends in its model forward by wrapping nanobatch.run_model (the step's
-    call of the model: eager, or a CUDA graph's replay); everything else in LLM.step is the host's work. On a
-    GPU it synchronises after each forward so that the GPU's work is counted here, not in the host's share
-    (nanobatch waits for each step's sampled tokens anyway, so this costs no overlap).
+    """Adds up the seconds an engine spends in its model forward by wrapping its model's forward and
+    nanobatch.replay_graph (the step's call of the model: eager, or a CUDA graph's replay); everything else
+    in LLM.step is the host's work. On a GPU it synchronises after each forward so that the GPU's work is
+    counted here, not in the host's share (nanobatch waits for each step's sampled tokens anyway, so this
+    costs no overlap).
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
     them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
     timing each would take a sync per layer).
-    It also adds up the seconds in nanobatch.sample, the sampler's tensor work over the logits (argmax,
-    or sort and draw; device work on a GPU): part of the host's share, reported apart."""
+    It also adds up the seconds in nanobatch.sample_fast, the sampler's tensor work over the logits
+    (argmax, or sort and draw; device work on a GPU): part of the host's share, reported apart."""
 
     def __init__(self, llm):
         self.seconds, self.sample_seconds = 0.0, 0.0
@@ -607,12 +608,14 @@ class ForwardTimer:
 
         llm.step = timed_step
         if not getattr(
-            nanobatch.run_model, "bench_timed", False
+            nanobatch.replay_graph, "bench_timed", False
         ):  # once per process; each engine's seconds go to its own timer
-            nanobatch.run_model = timed_run_model(nanobatch.run_model)
-        for name in ("paged_attention", "plan_paged_attention"):  # what Model.forward calls for attention
+            nanobatch.replay_graph = timed_run_model(nanobatch.replay_graph)
+        forward = llm.model.forward  # an eager step calls the model itself
+        llm.model.forward = functools.partial(timed_run_model(lambda llm, *args: forward(*args)), llm)
+        for name in ("paged_attention", "plan_paged_attention"):  # attention, and its plan (made by pack_inputs)
             wrap_timed(kernels, name, add_attention_seconds)
-        wrap_timed(nanobatch, "sample", add_sample_seconds, sync=True)  # what LLM.step calls to sample
+        wrap_timed(nanobatch, "sample_fast", add_sample_seconds, sync=True)  # what LLM.step calls to sample
         SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
 
     def reset(self):
@@ -633,13 +636,13 @@ class ForwardTimer:
 
 
 def timed_run_model(run_model):
-    def timed(llm, input_ids, positions, meta):
-        timer = getattr(llm, "forward_timer", None)
+    def timed(llm, input_ids, positions, *rest):  # rest: (meta) for replay_graph, (kv caches, meta) for the model
+        timer, meta = getattr(llm, "forward_timer", None), rest[-1]
         if timer is None:
-            return run_model(llm, input_ids, positions, meta)
+            return run_model(llm, input_ids, positions, *rest)
         timer.is_decode[0] = len(input_ids) == len(meta.seq_lens)
         start = time.perf_counter()
-        out = run_model(llm, input_ids, positions, meta)
+        out = run_model(llm, input_ids, positions, *rest)
         synchronize(llm.device)
         timer.seconds += time.perf_counter() - start
         return out
@@ -649,7 +652,7 @@ def timed_run_model(run_model):
 
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
-SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample's seconds go to], once wrapped
+SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample_fast's seconds go to], once wrapped
 
 
 def add_attention_seconds(seconds):
@@ -1268,7 +1271,7 @@ def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
 def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cumulative"):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
     step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
-    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample).
+    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample_fast).
     output_kind: "cumulative" (add_request's default, what a server streams: every step builds an output
     for every request) or "final_only" (what generate() asks for: no per-step outputs)."""
     begin_engine_run(llm)
@@ -1727,10 +1730,14 @@ class LaunchCounter:
             layer.register_forward_hook(enter("forward"))
         llm.model.register_forward_pre_hook(enter("forward"))
         llm.model.register_forward_hook(enter("step"))
-        sample = nanobatch.sample
-        nanobatch.sample = lambda *a, **kw: (out := sample(*a, **kw), setattr(self, "where", None))[
-            0
-        ]  # the sampled ids: the end
+        sample = nanobatch.sample_fast  # the sampled ids end the count
+
+        def sampled(*args, **kwargs):
+            tokens = sample(*args, **kwargs)
+            self.where = None
+            return tokens
+
+        nanobatch.sample_fast = sampled
 
 
 def count_launches():
@@ -1749,7 +1756,7 @@ def count_launches():
             kernels.USE_TRITON_ON_CPU,
             kernels.USE_CPU_LOOPS,
             kernels.pack_linears_cpu,
-            nanobatch.sample,
+            nanobatch.sample_fast,
             dict(vars(kernels)),
         )
         # the GPU path: Triton, and none of the CPU's compiled loops or oneDNN packing
@@ -1767,7 +1774,9 @@ def count_launches():
             with counter.mode:
                 llm.step()
         finally:
-            kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu, nanobatch.sample, state = saved
+            kernels.USE_TRITON_ON_CPU, kernels.USE_CPU_LOOPS, kernels.pack_linears_cpu, nanobatch.sample_fast, state = (
+                saved
+            )
             vars(kernels).update(state)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -1943,7 +1952,7 @@ def format_host_split(name, split, what):
     return (
         f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
         f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
-        f"{name}: of the host time, the sampler's tensor work (nanobatch.sample over the logits: device work on a GPU) "
+        f"{name}: of the host time, the sampler's tensor work (nanobatch.sample_fast over the logits: device work on a GPU) "
         f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms"
     )
 
@@ -2097,7 +2106,7 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
         ]
         extra["roofline"] = [asdict(r) for r in rooflines]
         details += [format_roofline(r) for r in rooflines]
-    del llm
+    llm = runners = None  # (not del: the runners' closures read llm)
     release_freed_memory()  # the next systems get the memory (on a GPU the KV pool holds most of it)
     if args.tensor_parallel_size > 1:
         run_tensor_parallel(args, model_path, workload, warmup, device, results, runs, details)

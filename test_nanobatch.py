@@ -38,7 +38,9 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before triton is imported: Triton kernels then run on CPU tensors
+    os.environ.setdefault(
+        "TRITON_INTERPRET", "1"
+    )  # set before triton is imported: Triton kernels then run on CPU tensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
@@ -46,16 +48,34 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import kernels
 import nanobatch
 import transformers
-from nanobatch import LLM, BlockAllocator, EngineConfig, EngineStats, Request, RequestMetrics, SamplingBatch, SamplingParams, Scheduler, Sequence, sample, StructuredOutputsParams, BeamSearchParams
+from nanobatch import (
+    LLM,
+    BlockAllocator,
+    EngineConfig,
+    EngineStats,
+    Request,
+    RequestMetrics,
+    SamplingParams,
+    Scheduler,
+    Sequence,
+    sample,
+    sample_fast,
+    StructuredOutputsParams,
+    BeamSearchParams,
+)
 import tp
+
 try:  # names, not the module: `server` is the fixture below
     from server import VERSION, start_server, structured_outputs_from_request
-except ModuleNotFoundError as missing:  # the HTTP stack is not installed (a bare GPU machine, say): the server's tests skip, the engine's run
+except (
+    ModuleNotFoundError
+) as missing:  # the HTTP stack is not installed (a bare GPU machine, say): the server's tests skip, the engine's run
     if missing.name not in ("fastapi", "starlette", "uvicorn", "h11", "pydantic", "prometheus_client"):
         raise
 
     def start_server(*args, reason=f"server.py needs {missing.name} (pip install -r requirements.txt)", **kwargs):
         pytest.skip(reason)
+
     VERSION, structured_outputs_from_request = None, start_server
 
 
@@ -65,7 +85,9 @@ except ModuleNotFoundError as missing:  # the HTTP stack is not installed (a bar
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TEST_TOKENIZER = os.environ.get("NANOBATCH_TEST_TOKENIZER")  # see the default_tokenizer fixture
-CPU = dict(device="cpu", dtype="float32")  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
+CPU = dict(
+    device="cpu", dtype="float32"
+)  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
 
 
 @pytest.fixture(scope="session")
@@ -124,24 +146,59 @@ def make_tiny_model(folder, family, tokenizer):
     """A tiny random-weight model of one family, saved with save_pretrained (+ the default tokenizer)."""
     import transformers as tf
 
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     configs = {
-        "llama-gqa-untied": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-        "llama3-rope-scaling": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+        "llama-gqa-untied": (
+            tf.LlamaConfig,
+            dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        ),
+        "llama3-rope-scaling": (
+            tf.LlamaConfig,
+            dict(
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                tie_word_embeddings=True,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                rope_theta=500000.0,
+            ),
+        ),
         "mistral": (tf.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
         "qwen2-bias": (tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-        "qwen3-qk-norm": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+        "qwen3-qk-norm": (
+            tf.Qwen3Config,
+            dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+        ),
         # not in TINY_FAMILIES: only the GGUF tests make them
-        "llama-attention-bias": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)),
-        "llama-linear-rope": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+        "llama-attention-bias": (
+            tf.LlamaConfig,
+            dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
+        ),
+        "llama-linear-rope": (
+            tf.LlamaConfig,
+            dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        ),
     }
     config_cls, extra = configs[family]
     config = config_cls(**common, **extra)
     model_cls = getattr(tf, config_cls.__name__.replace("Config", "ForCausalLM"))
     torch.manual_seed(0)
     model = model_cls(config).eval()
-    with torch.no_grad():  # bigger random weights than the default init: logits far apart, so greedy ties cannot happen by chance
+    with (
+        torch.no_grad()
+    ):  # bigger random weights than the default init: logits far apart, so greedy ties cannot happen by chance
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
@@ -168,14 +225,23 @@ def tiny_models(tmp_path_factory, default_tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_models):
-    return LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=48, **CPU)  # 768 token slots: less than max_model_len
+    return LLM(
+        model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=48, **CPU
+    )  # 768 token slots: less than max_model_len
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
     """HF transformers' greedy generate of one prompt alone, EOS ignored."""
     model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -227,7 +293,11 @@ def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm
     """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
     llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
     assert llm.kv_pool.dtype == torch.bfloat16 and llm.model.lm_head.weight.dtype == torch.bfloat16
-    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is"]
+    prompts = [
+        "The capital of France is",
+        "Water boils at a temperature of",
+        "The largest planet in our solar system is",
+    ]
     params = SamplingParams(max_tokens=3, **GREEDY)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in folder_llm.generate(prompts, params, use_tqdm=False)]
@@ -242,7 +312,9 @@ def test_bfloat16_becomes_float16_before_sm80(monkeypatch):
     assert kernels.kernel_dtype(torch.device("cpu"), "bfloat16") == "bfloat16"
     monkeypatch.setattr(kernels, "_device_facts", lambda device: (80, 108))
     assert kernels.kernel_dtype(torch.device("cuda"), "bfloat16") == "bfloat16"
-    monkeypatch.setattr(kernels, "kernel_dtype", lambda device, dtype: "float16")  # EngineConfig resolves its dtype there
+    monkeypatch.setattr(
+        kernels, "kernel_dtype", lambda device, dtype: "float16"
+    )  # EngineConfig resolves its dtype there
     assert EngineConfig(dtype="bfloat16", device="cpu").dtype == "float16"
 
 
@@ -268,11 +340,15 @@ def test_stop_strings_and_stop_token_ids(folder_llm):
     prompt = "The capital of France is"
     full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
     stop = full.text[10:14]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop, "never appears"], **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=24, stop=[stop, "never appears"], **GREEDY), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[: full.text.find(stop)], "the text ends right before the stop string"
     stop_id = full.token_ids[5]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
@@ -280,6 +356,7 @@ def test_stop_strings_and_stop_token_ids(folder_llm):
 def test_a_streamed_text_only_grows_past_a_stop_string(tiny_llm):
     """A stop string that spans two tokens: the step outputs hold back what could begin it (as vLLM's), so
     the text never shows a character it later takes back, and ends where the stop string starts."""
+
     def texts(params):
         tiny_llm.add_request([5, 6, 7, 8], params, request_id="grow")
         seen = []
@@ -289,7 +366,9 @@ def test_a_streamed_text_only_grows_past_a_stop_string(tiny_llm):
 
     free = texts(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     final, ends = free[-1], [len(t) for t in free if t]  # where each step's text ended
-    stop = next(final[e - 1 : e + 1] for e in ends if e < len(final) and final.find(final[e - 1 : e + 1]) == e - 1)  # across a step's end
+    stop = next(
+        final[e - 1 : e + 1] for e in ends if e < len(final) and final.find(final[e - 1 : e + 1]) == e - 1
+    )  # across a step's end
     held = texts(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
     assert all(b.startswith(a) for a, b in zip(held, held[1:])), held
     assert held[-1] == final[: final.index(stop)]
@@ -305,7 +384,9 @@ def test_a_stop_token_has_no_text_and_min_tokens_holds_stop_strings(folder_llm):
     first = full.token_ids[: full.token_ids.index(stop_id) + 1]
     for kind in ("final_only", "cumulative"):
         for include in (False, True):
-            params = SamplingParams(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include, output_kind=kind, **GREEDY)
+            params = SamplingParams(
+                max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include, output_kind=kind, **GREEDY
+            )
             request_id, outputs = folder_llm.add_request(prompt, params), []
             while folder_llm.has_unfinished_requests():
                 outputs += [o for o in folder_llm.step() if o.request_id == request_id]
@@ -317,16 +398,24 @@ def test_a_stop_token_has_no_text_and_min_tokens_holds_stop_strings(folder_llm):
     kept = dataclasses.replace(forced, include_stop_str_in_output=True)
     assert folder_llm.generate(["Hello"], kept, use_tqdm=False)[0].outputs[0].text == "<|im_end|>"
     word = decode(full.token_ids[:1])
-    held = folder_llm.generate([prompt], SamplingParams(max_tokens=4, stop=[word], min_tokens=1, **GREEDY), use_tqdm=False)[0].outputs[0]
-    assert held.token_ids == full.token_ids[:4] and held.finish_reason == "length", "the first token's text is not a stop"
+    held = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=4, stop=[word], min_tokens=1, **GREEDY), use_tqdm=False
+    )[0].outputs[0]
+    assert held.token_ids == full.token_ids[:4] and held.finish_reason == "length", (
+        "the first token's text is not a stop"
+    )
 
 
 def test_eos_ends_the_output(tiny_llm):
-    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
     eos_as = greedy[3]
     tiny_llm.eos_token_ids.add(eos_as)  # pretend the 4th greedy token is the model's EOS
     try:
-        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[
+            0
+        ]
     finally:
         tiny_llm.eos_token_ids.discard(eos_as)
     assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(eos_as) + 1]
@@ -338,6 +427,7 @@ def test_final_only_text_is_decoded_once_and_equals_the_streamed_text(folder_llm
     outputs, and a plain decode of its tokens (less a replacement character at the end, which vLLM's
     text leaves out), special tokens skipped or kept. High-temperature sampling makes tokens that cut
     characters in the middle."""
+
     def last_output(params, num_steps=None):
         request_id = folder_llm.add_request("Write something odd:", params)
         outputs, steps = [], 0
@@ -367,10 +457,17 @@ def sentencepiece_tokenizer():
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
-    tok.train_from_iterator(["The capital of France is Paris, and the capital of Italy is Rome."] * 20, trainers.BpeTrainer(vocab_size=320, special_tokens=specials))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.train_from_iterator(
+        ["The capital of France is Paris, and the capital of Italy is Rome."] * 20,
+        trainers.BpeTrainer(vocab_size=320, special_tokens=specials),
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_a_sentencepiece_output_keeps_its_leading_space(tmp_path):
@@ -382,7 +479,11 @@ def test_a_sentencepiece_output_keeps_its_leading_space(tmp_path):
     llm = LLM(model=str(tmp_path), num_kv_blocks=16, **CPU)
     prompt, word = "The capital of France", tokenizer.convert_tokens_to_ids("\u2581is")
     for kind in ("cumulative", "final_only"):
-        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logit_bias={word: 100}, output_kind=kind, logprobs=1), use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [prompt],
+            SamplingParams(max_tokens=6, temperature=0, logit_bias={word: 100}, output_kind=kind, logprobs=1),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert out.token_ids[0] == word and out.text.startswith(" is"), (kind, out.text)
         assert out.logprobs[0][word].decoded_token == " is"  # a logprob's token reads as in the text, as vLLM's
         assert prompt + out.text == tokenizer.decode(tokenizer.encode(prompt) + out.token_ids)
@@ -398,15 +499,30 @@ def test_decode_after_gives_the_streams_text():
     tokenizer = sentencepiece_tokenizer()
     ids = tokenizer.encode("The capital € is Paris", add_special_tokens=False)
     cut = tokenizer.convert_ids_to_tokens(ids).index("<0xE2>") + 1  # the prompt ends after the first of the three bytes
-    smiley, (f0, word) = tokenizer.encode("😀", add_special_tokens=False), tokenizer.convert_tokens_to_ids(["<0xF0>", "▁is"])
+    smiley, (f0, word) = (
+        tokenizer.encode("😀", add_special_tokens=False),
+        tokenizer.convert_tokens_to_ids(["<0xF0>", "▁is"]),
+    )
     cases = [(ids[:cut], ids[cut:]), (ids[:2], ids[2:]), (ids[:1], ids[1:]), (ids, [word]), (smiley, [f0, word])]
-    for prompt, tokens in cases:  # the last: <0xF0> turns the smiley's bytes into five "�", so the stream starts again at "▁is"
-        seq = types.SimpleNamespace(detokenizer=None, request=types.SimpleNamespace(params=SamplingParams(skip_special_tokens=False)))
+    for (
+        prompt,
+        tokens,
+    ) in cases:  # the last: <0xF0> turns the smiley's bytes into five "�", so the stream starts again at "▁is"
+        seq = types.SimpleNamespace(
+            detokenizer=None, request=types.SimpleNamespace(params=SamplingParams(skip_special_tokens=False))
+        )
         for t in nanobatch.prompt_tail(tokenizer, prompt):
             nanobatch.stream_step(tokenizer, seq, t)
         streamed = "".join(piece or "" for piece in (nanobatch.stream_step(tokenizer, seq, t) for t in tokens))
-        once = nanobatch.decode_after(tokenizer, nanobatch.prompt_tail(tokenizer, prompt), tokens, skip_special_tokens=False)
-        assert once == streamed or (prompt == smiley and (once, streamed) == ("� is", "is")), (prompt, tokens, once, streamed)
+        once = nanobatch.decode_after(
+            tokenizer, nanobatch.prompt_tail(tokenizer, prompt), tokens, skip_special_tokens=False
+        )
+        assert once == streamed or (prompt == smiley and (once, streamed) == ("� is", "is")), (
+            prompt,
+            tokens,
+            once,
+            streamed,
+        )
     assert nanobatch.decode_after(tokenizer, ids[:cut], ids[cut:], skip_special_tokens=False) == "€ is Paris"
 
 
@@ -427,7 +543,9 @@ def test_include_stop_str_in_output(folder_llm):
     prompt = "The capital of France is"
     full = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0]
     stop = full.text[10:14]
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == full.text[: full.text.find(stop) + len(stop)] and out.stop_reason == stop
 
 
@@ -464,7 +582,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def share_prefix(self, seq, length):
         shared = self.live.get(seq, [])[:length]
         for b in shared:
-            self.allocator.share(b)
+            self.allocator.add_ref(b)
         return self._new(list(shared))
 
     @rule(seq=consumes(sequences))
@@ -476,8 +594,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         blocks = self.live.get(seq, [])
         key = BlockAllocator.hash_block(None, tokens)
         if blocks and self.allocator.block_keys[blocks[-1]] is None:  # a block is registered once, when it fills up
-            blocks[-1] = self.allocator.register(blocks[-1], key, None, tokens)  # or an equal cached block takes its place
-        hit = self.allocator.share_cached(key, None, tokens)
+            blocks[-1] = self.allocator.cache_or_reuse(
+                blocks[-1], key, None, tokens
+            )  # or an equal cached block takes its place
+        hit = self.allocator.take_cached(key, None, tokens)
         return self._new([hit] if hit is not None else [])
 
     @invariant()
@@ -515,8 +635,14 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
     seqs, admitted, pending, step = [], [], sorted(arrivals, key=lambda a: a[0]), 0
 
     def fork_child(parent, index):
-        child = Sequence(1000 + len(seqs), parent.request, list(parent.token_ids), index=index, status=nanobatch.RUNNING)
-        child.num_computed_tokens, child.block_ids, child.block_hashes = parent.num_computed_tokens, list(parent.block_ids), list(parent.block_hashes)
+        child = Sequence(
+            1000 + len(seqs), parent.request, list(parent.token_ids), index=index, status=nanobatch.RUNNING
+        )
+        child.num_computed_tokens, child.block_ids, child.block_hashes = (
+            parent.num_computed_tokens,
+            list(parent.block_ids),
+            list(parent.block_hashes),
+        )
         parent.request.seqs.append(child)
         seqs.append(child)
         return child
@@ -532,7 +658,7 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
             scheduler.add(seq)
         batch = scheduler.schedule()
         assert batch.num_tokens <= config.max_num_batched_tokens
-        assert sum(s.num_seats for s in scheduler.running) <= config.max_num_seqs
+        assert sum(s.num_reserved_seqs for s in scheduler.running) <= config.max_num_seqs
         admitted += [s.request.request_id for s in batch.seqs if s.index == 0 and s.request.request_id not in admitted]
         check_block_ownership(scheduler, allocator)
         scheduler.mark_computed(batch)
@@ -540,7 +666,11 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
         for seq in batch.seqs:
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prefill chunk that does not reach the end samples nothing
-            family = [seq] if seq.request.forked else [seq] + scheduler.fork(seq, seq.request.params.n - 1, fork_child)
+            family = (
+                [seq]
+                if seq.request.has_all_samples
+                else [seq] + scheduler.fork(seq, seq.request.params.n - 1, fork_child)
+            )
             for member in family:
                 member.token_ids.append((member.seq_id + len(member.token_ids)) % 5)  # a fake sampled token
                 if len(member.output_token_ids) == member.request.params.max_tokens:
@@ -552,7 +682,9 @@ def run_scheduler(config, arrivals, block_size, num_blocks):
     return admitted
 
 
-@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens, num_steps, num_mixed", [(512, 16384, 1027, 9), (64, 2048, 2942, 199)])
+@pytest.mark.parametrize(
+    "max_num_seqs, max_num_batched_tokens, num_steps, num_mixed", [(512, 16384, 1027, 9), (64, 2048, 2942, 199)]
+)
 def test_the_gpu_benchmark_steps_at_its_settings(max_num_seqs, max_num_batched_tokens, num_steps, num_mixed):
     """A replay of the scheduler alone over bench.py's GPU workload (nano-vllm's: 256 requests, prompts and outputs of
     100-1024 tokens, seed 0; room in the pool for all of it, as on an H100): at nano-vllm's settings (512 seats, 16,384
@@ -561,7 +693,9 @@ def test_the_gpu_benchmark_steps_at_its_settings(max_num_seqs, max_num_batched_t
     import bench
 
     workload = bench.random_workload(151936, 256, 100, 1024, 100, 1024)
-    config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096)
+    config = EngineConfig(
+        device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096
+    )
     scheduler = Scheduler(config, BlockAllocator(40_000, config.block_size))
     for i, (prompt, output_len) in enumerate(zip(workload.prompts, workload.output_lens)):
         request = Request(str(i), None, prompt, SamplingParams(max_tokens=output_len), RequestMetrics(0.0))
@@ -570,7 +704,10 @@ def test_the_gpu_benchmark_steps_at_its_settings(max_num_seqs, max_num_batched_t
     steps = mixed = 0
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
-        steps, mixed = steps + 1, mixed + (batch.num_tokens != len(batch.seqs))  # a decode-only step brings one token a sequence
+        steps, mixed = (
+            steps + 1,
+            mixed + (batch.num_tokens != len(batch.seqs)),
+        )  # a decode-only step brings one token a sequence
         scheduler.mark_computed(batch)
         for seq in batch.seqs:
             if seq.num_computed_tokens == len(seq.token_ids):  # it samples: a fake token
@@ -578,6 +715,7 @@ def test_the_gpu_benchmark_steps_at_its_settings(max_num_seqs, max_num_batched_t
                 if seq.num_output_tokens == seq.request.params.max_tokens:
                     scheduler.finish(seq)
     assert (steps, mixed) == (num_steps, num_mixed)
+
 
 def check_block_ownership(scheduler, allocator):
     holders = [0] * allocator.num_blocks
@@ -591,12 +729,12 @@ def check_block_ownership(scheduler, allocator):
 
 
 def check_filled_slots(scheduler, allocator):
-    """The allocator's incremental count of filled slots equals a recount over the running sequences."""
+    """Stats' count of filled slots (kv_utilization_at_peak's) equals a recount over the running sequences' blocks."""
     bs, filled = allocator.block_size, {}
     for seq in scheduler.running:
         for i, block_id in enumerate(seq.block_ids):
             filled[block_id] = max(filled.get(block_id, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-    assert allocator.num_filled_slots == sum(filled.values())
+    assert nanobatch.num_filled_slots(scheduler) == sum(filled.values())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -610,13 +748,36 @@ def check_filled_slots(scheduler, allocator):
 def test_scheduler_properties(data, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching):
     """Random arrivals, lengths, n, budgets and pool sizes: every step within budget, FCFS admission,
     every request finishes, every block back in the pool with ref count 0."""
-    max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # EngineConfig's rule: a token of the budget per running sequence
+    max_num_seqs = min(
+        max_num_seqs, max_num_batched_tokens
+    )  # EngineConfig's rule: a token of the budget per running sequence
     shared = [9] * data.draw(st.integers(0, 24))  # a common prefix for some requests
-    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=10))
-    arrivals = [(t, (shared + p) if i % 2 else p, out, min(n, max_num_seqs)) for i, (t, p, out, n) in enumerate(arrivals)]
+    arrivals = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 20),
+                st.lists(st.integers(0, 3), min_size=1, max_size=40),
+                st.integers(1, 12),
+                st.integers(1, 3),
+            ),
+            min_size=1,
+            max_size=10,
+        )
+    )
+    arrivals = [
+        (t, (shared + p) if i % 2 else p, out, min(n, max_num_seqs)) for i, (t, p, out, n) in enumerate(arrivals)
+    ]
     longest = max(len(p) + out for _, p, out, _ in arrivals)
-    num_blocks = data.draw(st.integers(-(-longest // block_size), 3 * -(-longest // block_size)))  # a lone request always fits
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching, device="cpu")
+    num_blocks = data.draw(
+        st.integers(-(-longest // block_size), 3 * -(-longest // block_size))
+    )  # a lone request always fits
+    config = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=prefix_caching,
+        device="cpu",
+    )
     admitted = run_scheduler(config, arrivals, block_size, num_blocks)
     assert admitted == list(range(len(arrivals))), "first admissions follow arrival order"
 
@@ -658,14 +819,21 @@ def test_forced_first_block_collision_shares_nothing_wrong(folder_llm, default_h
     """Every first block gets the same key. A prompt after B0 + Y1 and A0 + X1 that reads B0 + X1 may
     share B's first block (same tokens, a true hit) but never A's X1 block, computed after A0."""
     real_hash = BlockAllocator.hash_block
-    monkeypatch.setattr(BlockAllocator, "hash_block", staticmethod(lambda parent, tokens: b"collide" if parent is None else real_hash(parent, tokens)))
+    monkeypatch.setattr(
+        BlockAllocator,
+        "hash_block",
+        staticmethod(lambda parent, tokens: b"collide" if parent is None else real_hash(parent, tokens)),
+    )
     ids = default_hf[1].encode(PASSAGE)
     b0, y1, a0, x1, tail = ids[0:16], ids[16:32], ids[100:116], ids[200:216], ids[230:233]
     assert len(x1) == 16 and len(tail) == 3  # prompts of 35 tokens: two full blocks could come from the cache
     folder_llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=8, **GREEDY)
     try:
-        outs = [folder_llm.generate([p], params, use_tqdm=False)[0] for p in (b0 + y1 + tail, a0 + x1 + tail, b0 + x1 + tail)]
+        outs = [
+            folder_llm.generate([p], params, use_tqdm=False)[0]
+            for p in (b0 + y1 + tail, a0 + x1 + tail, b0 + x1 + tail)
+        ]
     finally:
         folder_llm.reset_prefix_cache()  # no colliding keys left behind for later tests
     assert [o.num_cached_tokens for o in outs] == [0, 0, 16]  # A's first block collides but its tokens differ: no hit
@@ -691,7 +859,9 @@ def test_equal_prefixes_computed_in_one_step_chain_to_one_cached_copy(tiny_llm):
 def test_hash_block_is_a_sha256_chain():
     key = BlockAllocator.hash_block(None, [1, 2, 3])
     assert len(key) == 32 and key != BlockAllocator.hash_block(None, [1, 2, 4])
-    assert BlockAllocator.hash_block(key, [5]) != BlockAllocator.hash_block(BlockAllocator.hash_block(None, [1, 2, 4]), [5])
+    assert BlockAllocator.hash_block(key, [5]) != BlockAllocator.hash_block(
+        BlockAllocator.hash_block(None, [1, 2, 4]), [5]
+    )
 
 
 def test_budget_below_max_num_seqs_is_rejected():
@@ -702,7 +872,9 @@ def test_budget_below_max_num_seqs_is_rejected():
 
 def test_smallest_budget_serves_every_sample_every_step(tiny_models):
     """max_num_batched_tokens == max_num_seqs == n: after the prefill every sample gains a token each step."""
-    llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_num_seqs=4, max_num_batched_tokens=4, num_kv_blocks=32, **CPU)
+    llm = LLM(
+        model=tiny_models["llama-gqa-untied"][0], max_num_seqs=4, max_num_batched_tokens=4, num_kv_blocks=32, **CPU
+    )
     llm.add_request(list(range(100, 110)), SamplingParams(n=4, max_tokens=6, **GREEDY))
     counts = []
     while llm.has_unfinished_requests():
@@ -731,8 +903,14 @@ def test_default_model_matches_hf_transformers(default_llm, default_hf):
     assert default_llm.allocator.num_free_blocks == default_llm.allocator.num_blocks
 
 
-TRICKY_TEXTS = ["Hello, my name is", "  two leading spaces\tand a tab\n\nnewlines ", "Ünïcödé, 日本語, emoji 🤖👍🏽 and ¿qué?",
-                "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>", "x = f(a_b) + 1_000.5e-3 // 'quotes' \"double\"", ""]
+TRICKY_TEXTS = [
+    "Hello, my name is",
+    "  two leading spaces\tand a tab\n\nnewlines ",
+    "Ünïcödé, 日本語, emoji 🤖👍🏽 and ¿qué?",
+    "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>",
+    "x = f(a_b) + 1_000.5e-3 // 'quotes' \"double\"",
+    "",
+]
 
 
 def test_gguf_load_equals_transformers(default_llm, default_hf, monkeypatch):
@@ -744,16 +922,23 @@ def test_gguf_load_equals_transformers(default_llm, default_hf, monkeypatch):
     monkeypatch.setattr(kernels, "pack_linears_cpu", lambda model: None)  # the tensors as read, not packed for oneDNN
     ours = nanobatch.load_model(nanobatch.default_model_path(), torch.float32, "cpu")[0].state_dict()
     assert len(model.state_dict()) == 273
-    theirs = nanobatch.merge_projections(model.state_dict(), default_llm.model_config)  # q/k/v and gate/up stacked, as ours
+    theirs = nanobatch.merge_projections(
+        model.state_dict(), default_llm.model_config
+    )  # q/k/v and gate/up stacked, as ours
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
     mine = default_llm.tokenizer
-    assert mine.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str() and mine.special_tokens_map == tokenizer.special_tokens_map
+    assert (
+        mine.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+        and mine.special_tokens_map == tokenizer.special_tokens_map
+    )
     for text in TRICKY_TEXTS:
         assert mine(text).input_ids == tokenizer(text).input_ids and mine.decode(mine(text).input_ids) == text, text
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TRICKY_TEXTS[2]}]
-    assert mine.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert mine.apply_chat_template(chat, add_generation_prompt=True) == tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
 
 
 def test_gguf_reader_rejects_other_files(tmp_path):
@@ -771,14 +956,29 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=()):
 
     cfg = nanobatch.ModelConfig.from_hf(model.config)
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in {"block_count": cfg.num_layers, "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
-                       "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads,
-                       "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim, "rope.dimension_count": cfg.head_dim, "vocab_size": cfg.vocab_size}.items():
+    for key, value in {
+        "block_count": cfg.num_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_heads,
+        "attention.head_count_kv": cfg.num_kv_heads,
+        "attention.key_length": cfg.head_dim,
+        "attention.value_length": cfg.head_dim,
+        "rope.dimension_count": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+    }.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     for key, value in dict(meta).items():
-        (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+        (
+            writer.add_string
+            if isinstance(value, str)
+            else writer.add_float32
+            if isinstance(value, float)
+            else writer.add_uint32
+        )(key, value)
     to_gguf = {hf: name for name, hf in nanobatch.GGUF_NAMES.items()}
     for name, t in model.state_dict().items():
         layer, part, suffix = re.fullmatch(r"(?:model\.layers\.(\d+)\.)?(.+)\.(\w+)", name).groups()
@@ -786,23 +986,35 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=()):
             continue
         t = t.float().numpy()
         if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
-            t = t.reshape(cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads, 2, -1, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-        writer.add_tensor(("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}", np.ascontiguousarray(t))
+            t = (
+                t.reshape(cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads, 2, -1, *t.shape[1:])
+                .swapaxes(1, 2)
+                .reshape(t.shape)
+            )
+        writer.add_tensor(
+            ("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}", np.ascontiguousarray(t)
+        )
     for name, t in dict(tensors).items():
         writer.add_tensor(name, t)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     return str(path)
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm", "llama3-rope-scaling", "llama-linear-rope"])
+@pytest.mark.parametrize(
+    "family", ["llama-gqa-untied", "llama-attention-bias", "qwen3-qk-norm", "llama3-rope-scaling", "llama-linear-rope"]
+)
 def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer, tmp_path, monkeypatch):
     """A tiny model converted as llama.cpp does gives HF's greedy tokens: a Llama's q/k/v/o biases and Qwen3's head size
     (attention.key_length, not hidden / heads) read from the file; Llama 3's rope scaling as llama.cpp keeps it, a
     rope_freqs tensor of divisors per rotary pair (here HF's own), and linear scaling from the rope.scaling keys."""
-    model = tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
+    model = (
+        tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
+    )
     meta, tensors, cfg = {}, {}, nanobatch.ModelConfig.from_hf(model.config)
     if family == "llama3-rope-scaling":
-        unscaled = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        unscaled = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
+        )
         tensors["rope_freqs.weight"] = (unscaled / model.model.rotary_emb.inv_freq).numpy()
     if family == "llama-linear-rope":
         meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
@@ -822,7 +1034,7 @@ def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path
 
     model = tiny_models["llama-gqa-untied"][1]
     whole = open(write_gguf(tmp_path / "whole.gguf", model), "rb").read()
-    for name, data in {"empty": b"", "header": whole[:200], "tensors": whole[:len(whole) // 2]}.items():
+    for name, data in {"empty": b"", "header": whole[:200], "tensors": whole[: len(whole) // 2]}.items():
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match="is truncated: not a complete GGUF file"):
             LLM(model=str(tmp_path / f"{name}.gguf"), **CPU)
@@ -831,11 +1043,25 @@ def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with pytest.raises(ValueError, match="has no general.architecture"):
         LLM(model=str(tmp_path / "no_arch.gguf"), **CPU)
-    yarn = write_gguf(tmp_path / "yarn.gguf", model, meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 256})
+    yarn = write_gguf(
+        tmp_path / "yarn.gguf",
+        model,
+        meta={
+            "llama.rope.scaling.type": "yarn",
+            "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 256,
+        },
+    )
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         LLM(model=yarn, **CPU)
-    longrope = write_gguf(tmp_path / "longrope.gguf", model, meta={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
-    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):  # (transformers' own check raised a KeyError)
+    longrope = write_gguf(
+        tmp_path / "longrope.gguf",
+        model,
+        meta={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0},
+    )
+    with pytest.raises(
+        ValueError, match="unsupported rope_type 'longrope'"
+    ):  # (transformers' own check raised a KeyError)
         LLM(model=longrope, **CPU)
 
 
@@ -862,8 +1088,14 @@ def test_tiny_models_match_hf_transformers(tiny_models, family):
 
 
 @settings(max_examples=25, deadline=None)
-@given(tokens=st.integers(1, 40), heads=st.integers(1, 5), half=st.integers(1, 40), scale=st.sampled_from([0.01, 1.0, 50.0]),
-       special=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    tokens=st.integers(1, 40),
+    heads=st.integers(1, 5),
+    half=st.integers(1, 40),
+    scale=st.sampled_from([0.01, 1.0, 50.0]),
+    special=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
     """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary
     embedding bit for bit (torch's roundings to bf16, done where torch does them), RMSNorm within two
@@ -873,7 +1105,9 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, sca
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(tokens, heads, 2 * half, generator=g) * scale).bfloat16()
     if special:
-        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor([float("inf"), -float("inf"), float("nan")]).bfloat16()
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor(
+            [float("inf"), -float("inf"), float("nan")]
+        ).bfloat16()
     weight = torch.randn(2 * half, generator=g).bfloat16()
     angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
@@ -883,7 +1117,9 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, sca
     assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
     got = kernels.rms_norm_cpu(x, weight, 1e-6)
     assert torch.equal(got.isnan(), want_norm.isnan())
-    ok = ~got.isnan()  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
+    ok = (
+        ~got.isnan()
+    )  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
     assert ((got.view(torch.int16)[ok].int() - want_norm.view(torch.int16)[ok].int()).abs() <= 2).all()
 
 
@@ -942,7 +1178,9 @@ def test_preemption_keeps_greedy_output(default_folder, reference_outputs):
     llm = LLM(model=default_folder, num_kv_blocks=15, enable_prefix_caching=False, **CPU)
     tokens, outputs = run_workload(llm, prompts)
     assert llm.stats.num_preemptions > 0, "the pool was meant to be too small"
-    assert sum(o.metrics.num_preemptions for o in outputs) == llm.stats.num_preemptions  # each counted on its request too
+    assert (
+        sum(o.metrics.num_preemptions for o in outputs) == llm.stats.num_preemptions
+    )  # each counted on its request too
     assert tokens == expected
 
 
@@ -955,12 +1193,19 @@ def test_preemption_with_prefix_caching(default_folder, reference_outputs):
 
 
 @pytest.mark.parametrize("prefix_caching,max_num_batched_tokens", [(True, 7), (True, 64), (False, 64), (False, 2048)])
-def test_prefix_caching_and_chunked_prefill_keep_greedy_output(default_folder, reference_outputs, prefix_caching, max_num_batched_tokens):
+def test_prefix_caching_and_chunked_prefill_keep_greedy_output(
+    default_folder, reference_outputs, prefix_caching, max_num_batched_tokens
+):
     """Chunks smaller than one block (7 < 16) and prompts longer than the step budget (64) included.
     (The reference itself ran with caching on and a budget of 2048.)"""
     prompts, expected = reference_outputs
-    llm = LLM(model=default_folder, enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=min(256, max_num_batched_tokens), **CPU)  # the budget must cover one token per running sequence
+    llm = LLM(
+        model=default_folder,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=min(256, max_num_batched_tokens),
+        **CPU,
+    )  # the budget must cover one token per running sequence
     original_schedule = llm.scheduler.schedule
     step_tokens = []
 
@@ -990,22 +1235,34 @@ def test_fully_cached_prompt_still_computes_its_last_token(folder_llm):
 
 def test_kv_utilization_at_peak_counts_the_peak_steps_own_tokens(tiny_llm):
     tiny_llm.stats = nanobatch.EngineStats()
-    tiny_llm.generate([list(range(100, 200))], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # one prefill step
-    assert tiny_llm.stats.peak_blocks_in_use == 7 and tiny_llm.stats.kv_utilization_at_peak == pytest.approx(100 / (7 * 16))
+    tiny_llm.generate(
+        [list(range(100, 200))], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False
+    )  # one prefill step
+    assert tiny_llm.stats.peak_blocks_in_use == 7 and tiny_llm.stats.kv_utilization_at_peak == pytest.approx(
+        100 / (7 * 16)
+    )
 
 
 def test_n_samples_share_prompt_blocks_and_logprobs(tiny_llm):
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16 + a partial one, shared by the 4 samples
     tiny_llm.stats = nanobatch.EngineStats()
-    out = tiny_llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    out = tiny_llm.generate(
+        [prompt],
+        SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=7, logprobs=2, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3] and all(len(c.token_ids) == 5 for c in out.outputs)
-    assert tiny_llm.stats.peak_blocks_in_use == 3 + 4, "3 shared full blocks + one own block per sample (4 apart would need 16)"
+    assert tiny_llm.stats.peak_blocks_in_use == 3 + 4, (
+        "3 shared full blocks + one own block per sample (4 apart would need 16)"
+    )
     for c in out.outputs:
         assert len(c.logprobs) == 5
         for token_id, entry in zip(c.token_ids, c.logprobs):
             assert next(iter(entry)) == token_id and entry[token_id].logprob <= 0
             assert len(entry) in (2, 3)  # the sampled token plus the top 2 (it may be one of them)
-    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=1, **GREEDY), use_tqdm=False)[0].outputs[0]
+    greedy = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=1, **GREEDY), use_tqdm=False)[0].outputs[
+        0
+    ]
     for token_id, entry in zip(greedy.token_ids, greedy.logprobs):
         assert entry[token_id].rank == 1
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
@@ -1028,15 +1285,19 @@ def test_abort_frees_blocks_and_reports_once(tiny_llm):
     while tiny_llm.has_unfinished_requests():
         outs += [o for o in tiny_llm.step() if o.finished]
     aborted, done = sorted(outs, key=lambda o: len(o.prompt_token_ids), reverse=True)
-    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in aborted.outputs] == [(i, "", [], "abort", None) for i in range(3)]
-    assert before <= aborted.metrics.arrival_time <= aborted.metrics.finished_time <= time.time()  # wall-clock, as vLLM's
+    assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in aborted.outputs] == [
+        (i, "", [], "abort", None) for i in range(3)
+    ]
+    assert (
+        before <= aborted.metrics.arrival_time <= aborted.metrics.finished_time <= time.time()
+    )  # wall-clock, as vLLM's
     assert (done.request_id, done.prompt_token_ids, len(done.outputs[0].token_ids)) == ("again", [4, 5], 2)
     assert tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
 
 
 def test_generate_never_leaves_a_request_queued(tiny_llm, monkeypatch):
     good = SamplingParams(max_tokens=3, **GREEDY)
-    taken = str(next(tiny_llm.request_counter) + 1)  # the id the next automatic one would get
+    taken = str(next(tiny_llm.pending.request_counter) + 1)  # the id the next automatic one would get
     tiny_llm.add_request([5, 6, 7], good, request_id=taken)
     outs = tiny_llm.generate([[1, 2], [3, 4]], good, use_tqdm=False)  # automatic ids skip the taken one
     assert len(outs) == 2 and taken not in [o.request_id for o in outs]
@@ -1066,17 +1327,28 @@ def test_generate_never_takes_an_id_whose_final_output_is_still_to_come(tiny_llm
     """A caller's request that ended inside generate (its output owed to the next step), or that was aborted, keeps its
     id until that output is out: a later generate's automatic id is another, and generate returns its own output."""
     greedy = SamplingParams(max_tokens=8, **GREEDY)
-    after = next(tiny_llm.request_counter)  # the next automatic ids are after + 1, + 2, ...: the two generates would take these
+    after = next(
+        tiny_llm.pending.request_counter
+    )  # the next automatic ids are after + 1, + 2, ...: the two generates would take these
     taken = [str(after + 2), str(after + 3)]
     tiny_llm.add_request([11, 12, 13], dataclasses.replace(greedy, max_tokens=2), request_id=taken[0])
     tiny_llm.add_request([14, 15], dataclasses.replace(greedy, max_tokens=50), request_id=taken[1])
     tiny_llm.generate([[21, 22, 23, 24]], greedy, use_tqdm=False)  # taken[0] ends inside: owed
     tiny_llm.abort_request(taken[1])  # its abort output is owed too
     [out] = tiny_llm.generate([[31, 32, 33, 34, 35]], greedy, use_tqdm=False)
-    assert out.request_id not in taken and out.prompt_token_ids == [31, 32, 33, 34, 35] and len(out.outputs[0].token_ids) == 8
+    assert (
+        out.request_id not in taken
+        and out.prompt_token_ids == [31, 32, 33, 34, 35]
+        and len(out.outputs[0].token_ids) == 8
+    )
     later = [o for o in tiny_llm.step() if o.finished]
-    assert sorted((o.request_id, o.outputs[0].finish_reason) for o in later) == [(taken[0], "length"), (taken[1], "abort")]
-    assert not tiny_llm.has_unfinished_requests() and tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+    assert sorted((o.request_id, o.outputs[0].finish_reason) for o in later) == [
+        (taken[0], "length"),
+        (taken[1], "abort"),
+    ]
+    assert (
+        not tiny_llm.has_unfinished_requests() and tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
+    )
 
 
 def test_generate_beside_a_callers_own_loop_loses_no_output(tiny_llm):
@@ -1084,7 +1356,10 @@ def test_generate_beside_a_callers_own_loop_loses_no_output(tiny_llm):
     its own outputs and stops when they end; the caller's requests run on, and the final output of one that
     ended inside generate comes out of the caller's next step; abort_request takes a list of ids, as vLLM's."""
     params = SamplingParams(max_tokens=4, **GREEDY)
-    short, long, gone = (tiny_llm.add_request(p, dataclasses.replace(params, max_tokens=m)) for p, m in (([5, 6], 2), ([7, 8], 30), ([9], 30)))
+    short, long, gone = (
+        tiny_llm.add_request(p, dataclasses.replace(params, max_tokens=m))
+        for p, m in (([5, 6], 2), ([7, 8], 30), ([9], 30))
+    )
     tiny_llm.step()
     tiny_llm.abort_request([gone])
     assert len(tiny_llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
@@ -1146,25 +1421,36 @@ def test_sampler_never_picks_an_excluded_token(seed, temperature, top_k, top_p, 
     logits = torch.randn(6, 40, generator=gen) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(6)]
-    sb = SamplingBatch.from_seqs(seqs, 40, torch.device("cpu"))
-    for _ in range(20):
-        tokens = sample(logits, sb, gen)
+    for sampler in (sample, sample_fast) * 10:  # the reference and the engine's fast path
+        tokens = sampler(logits, seqs, gen)
         for row in range(6):
             assert not clearly_excluded(logits[row], temperature, top_k, top_p, min_p)[tokens[row]]
 
 
 def test_sampler_temperature_zero_is_argmax():
     logits = torch.randn(5, 100)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0, top_p=0.5)] + [SamplingParams(temperature=0.0)] * 2
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.0, top_p=0.5),
+    ] + [SamplingParams(temperature=0.0)] * 2
     seqs = [Sequence(i, Request(str(i), None, [1], p, RequestMetrics(0.0)), [1]) for i, p in enumerate(params)]
-    tokens = sample(logits, SamplingBatch.from_seqs(seqs, 100, torch.device("cpu")), torch.Generator())
     argmax = logits.argmax(-1)
-    assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
+    for sampler in (sample, sample_fast):
+        tokens = sampler(logits, seqs, torch.Generator())
+        assert [tokens[i].item() for i in (0, 2, 3, 4)] == [argmax[i].item() for i in (0, 2, 3, 4)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 64, 1024]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), ties=st.booleans(), special=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 3000),
+    chunk=st.sampled_from([1, 7, 64, 1024]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    ties=st.booleans(),
+    special=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, ties, special, seed):
     """The two-level argmax and the compiled bf16 argmax give argmax's token: ties (the first best),
     a last, shorter chunk, rows all negative, -0.0 against +0.0, and infinities and NaNs of either sign
@@ -1176,7 +1462,9 @@ def test_greedy_tokens_is_argmax_first_best_included(rows, vocab, chunk, dtype, 
     logits[0] = -logits[0].abs()  # every value negative (or -0.0)
     if special:  # a few -inf, +inf and NaNs at random places
         where = torch.randint(0, rows * vocab, (6,), generator=g)
-        logits.view(-1)[where] = torch.tensor([float("-inf"), float("inf"), float("nan"), -float("nan"), -0.0, 0.0], dtype=dtype)
+        logits.view(-1)[where] = torch.tensor(
+            [float("-inf"), float("inf"), float("nan"), -float("nan"), -0.0, 0.0], dtype=dtype
+        )
     want = logits.float().argmax(dim=-1)
     assert torch.equal(kernels.greedy_tokens(logits, chunk, loops=False), want)
     if dtype == torch.bfloat16 and kernels.argmax_rows(logits) is not None:
@@ -1187,11 +1475,17 @@ def test_same_seed_same_output_whatever_the_batch(tiny_llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     alone = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [[7, 8, 9], [10, 11, 12, 13, 14], [1, 2, 3, 4]]
-    batch = tiny_llm.generate(others + [[1, 2, 3, 4]], [SamplingParams(temperature=1.0, max_tokens=12)] * 3 + [seeded], use_tqdm=False)
+    batch = tiny_llm.generate(
+        others + [[1, 2, 3, 4]], [SamplingParams(temperature=1.0, max_tokens=12)] * 3 + [seeded], use_tqdm=False
+    )
     assert batch[-1].outputs[0].token_ids == alone
     again = tiny_llm.generate([[1, 2, 3, 4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone
-    other_seed = tiny_llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99, ignore_eos=True), use_tqdm=False)
+    other_seed = tiny_llm.generate(
+        [[1, 2, 3, 4]],
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -1201,25 +1495,89 @@ def test_preemption_keeps_seeded_samples(tiny_models, tiny_llm):
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(4)]
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=40 + i, ignore_eos=True) for i in range(4)]
     expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
-    small = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, block_size=4, **CPU)  # 6 blocks each at the end
+    small = LLM(
+        model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, block_size=4, **CPU
+    )  # 6 blocks each at the end
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.stats.num_preemptions > 0, "the pool was meant to be too small"
     assert got == expected
     assert small.allocator.num_free_blocks == small.allocator.num_blocks
 
 
+def test_plain_packing_and_sampler_give_the_fast_paths_results(tiny_models, monkeypatch):
+    """Part I's plain versions give the tensors and tokens of Part II's fast paths. In every step pack_inputs builds
+    the plain LLM._prepare_inputs' tensors, field for field (prefill chunks beside decodes, forks and their
+    copy-on-write, prefix-cache hits, prompt logprobs, preemptions); and the engine on Part I's plain code
+    (fast_paths False: the reference sampler too) gives the same outputs: greedy, seeded samples, logprobs."""
+    llm = LLM(
+        model=tiny_models["llama-gqa-untied"][0],
+        num_kv_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        **CPU,
+    )
+    fast, decode_only = nanobatch.pack_inputs, []
+
+    def both(llm, batch):
+        got = fast(llm, batch)
+        llm.fast_paths = False
+        want = llm._prepare_inputs(batch)
+        llm.fast_paths = True
+        for name in (
+            "input_ids",
+            "positions",
+            *(f.name for f in dataclasses.fields(nanobatch.BatchMetadata) if f.name != "attn_plan"),
+        ):
+            a, b = (
+                getattr(x[2], name, None) if name not in ("input_ids", "positions") else x[name == "positions"]
+                for x in (got, want)
+            )
+            assert (a.dtype, a.tolist()) == (b.dtype, b.tolist()) if isinstance(a, torch.Tensor) else a == b, name
+        assert got[3] == want[3] and got[4] == want[4]  # the sequences that sample, the prompt-logprob spans
+        decode_only.append(got[2].decode_only)
+        return got
+
+    monkeypatch.setattr(nanobatch, "pack_inputs", both)
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 5000) for _ in range(9)]  # a prefix the cache serves
+    prompts = [shared + [rng.randrange(100, 5000) for _ in range(n)] for n in (3, 30, 1, 12, 7)]
+    params = [
+        SamplingParams(max_tokens=10, **GREEDY),
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=6, prompt_logprobs=1, **GREEDY),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=2, max_tokens=9, ignore_eos=True),
+    ]
+    fast_outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert True in decode_only and False in decode_only and llm.stats.num_preemptions > 0
+    llm.reset_prefix_cache()  # the plain run starts from the same empty cache
+    llm.fast_paths = False
+    plain_outputs = llm.generate(prompts, params, use_tqdm=False)
+    for f, p in zip(fast_outputs, plain_outputs):
+        assert [(c.token_ids, c.logprobs) for c in f.outputs] == [(c.token_ids, c.logprobs) for c in p.outputs]
+        assert f.prompt_logprobs == p.prompt_logprobs and f.num_cached_tokens == p.num_cached_tokens
+    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
 def test_logit_bias_is_clamped_to_openais_range(tiny_llm):
     """A bias beyond float32 (1e39) would make inf, and -inf + inf NaN: clamped to 100, it forces its token."""
-    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
     token = next(t for t in range(10, 100) if t not in greedy)
     for bias in (100.0, 1e39):
-        out = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, logit_bias={token: bias}, top_p=0.9, **GREEDY), use_tqdm=False)
+        out = tiny_llm.generate(
+            [[3, 4, 5]], SamplingParams(max_tokens=3, logit_bias={token: bias}, top_p=0.9, **GREEDY), use_tqdm=False
+        )
         assert out[0].outputs[0].token_ids == [token] * 3, bias
 
 
 def test_progress_bar_counts_its_own_requests(tiny_llm):
     """generate()'s bar counts its own requests; one queued earlier runs along, its tokens in the bar's total."""
-    earlier = tiny_llm.add_request([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))  # cumulative: an output every step
+    earlier = tiny_llm.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY)
+    )  # cumulative: an output every step
     ours = tiny_llm.add_request([8, 9], SamplingParams(max_tokens=5, output_kind="final_only", **GREEDY))
     bar = nanobatch._GenerateProgress(tiny_llm, [ours])
     assert bar.bar.total == 25
@@ -1230,8 +1588,16 @@ def test_progress_bar_counts_its_own_requests(tiny_llm):
 
 
 def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_llm):
-    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
-    tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        tiny_llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    tiny = (
+        tiny_llm.generate(
+            [[3, 4, 5]], SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert tiny == greedy
     chat = tiny_llm.chat_prompt([{"role": "user", "content": "Hi"}])
     assert chat["prompt_token_ids"] == tiny_llm.tokenizer.encode(chat["prompt"], add_special_tokens=False)
@@ -1239,14 +1605,31 @@ def test_tiny_temperature_is_greedy_and_chat_prompt_adds_no_special_tokens(tiny_
     assert out.prompt == chat["prompt"] and out.prompt_token_ids == chat["prompt_token_ids"]
     # vLLM's llm.chat: one conversation, or a list of them
     one = tiny_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
-    two = tiny_llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in one] == [out.outputs[0].token_ids] == [two[0].outputs[0].token_ids] and len(two) == 2
-    custom = tiny_llm.chat_prompt([{"role": "user", "content": "Hi"}], chat_template="{{ messages[0]['content'] }}, {{ who }}", chat_template_kwargs={"who": "you"})
+    two = tiny_llm.chat(
+        [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]],
+        SamplingParams(max_tokens=2, **GREEDY),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in one] == [out.outputs[0].token_ids] == [two[0].outputs[0].token_ids] and len(
+        two
+    ) == 2
+    custom = tiny_llm.chat_prompt(
+        [{"role": "user", "content": "Hi"}],
+        chat_template="{{ messages[0]['content'] }}, {{ who }}",
+        chat_template_kwargs={"who": "you"},
+    )
     assert custom["prompt"] == "Hi, you"
-    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]  # OpenAI's content parts: joined by newlines, as vLLM's
-    assert tiny_llm.chat_prompt([{"role": "user", "content": parts}]) == tiny_llm.chat_prompt([{"role": "user", "content": "Hi\nthere"}])
+    parts = [
+        {"type": "text", "text": "Hi"},
+        {"type": "text", "text": "there"},
+    ]  # OpenAI's content parts: joined by newlines, as vLLM's
+    assert tiny_llm.chat_prompt([{"role": "user", "content": parts}]) == tiny_llm.chat_prompt(
+        [{"role": "user", "content": "Hi\nthere"}]
+    )
     with pytest.raises(ValueError, match="content parts must be text parts"):
-        tiny_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], use_tqdm=False)
+        tiny_llm.chat(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], use_tqdm=False
+        )
     for bad in ("Hi", [], [["Hi"]], [[]]):
         with pytest.raises(ValueError, match="a conversation must be a non-empty list of"):
             tiny_llm.chat(bad, use_tqdm=False)
@@ -1284,7 +1667,11 @@ def test_prompt_logprobs_with_chunked_prefill_and_prefix_caching(default_folder,
     prompt = passage_prompts(tokenizer, [70])[0]  # 70 tokens: three chunks of at most 24
     reference = hf_logprobs(model, prompt)
     llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # fills the prefix cache
-    out = llm.generate([prompt, prompt], [SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)], use_tqdm=False)
+    out = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)],
+        use_tqdm=False,
+    )
     assert out[0].num_cached_tokens == 0, "prompt logprobs need every position computed: no cache hits"
     assert out[1].num_cached_tokens == 64, "a plain request still hits the cache"
     check_prompt_logprobs(out[0].prompt_logprobs, prompt, reference, 2)
@@ -1329,21 +1716,34 @@ def test_penalties_and_bias_match_a_direct_computation():
     assert torch.equal(nanobatch.apply_penalties(logits[4:].clone(), seqs[4:], eos_token_ids={11}), logits[4:])
 
 
-@pytest.mark.parametrize("name,value", [("presence_penalty", 1.5), ("frequency_penalty", 1.0), ("repetition_penalty", 1.8)])
+@pytest.mark.parametrize(
+    "name,value", [("presence_penalty", 1.5), ("frequency_penalty", 1.0), ("repetition_penalty", 1.8)]
+)
 def test_penalties_end_to_end(folder_llm, default_hf, name, value):
     """Every greedy token equals the argmax of HF's logits after the penalty, applied by hand to
     the tokens before it; and the output differs from plain greedy (the penalty changes it)."""
     model, tokenizer = default_hf
     prompt = tokenizer.encode("The capital of France is")
-    plain = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
-    out = folder_llm.generate([prompt], SamplingParams(max_tokens=24, **{name: value}, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        folder_llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
+    out = (
+        folder_llm.generate([prompt], SamplingParams(max_tokens=24, **{name: value}, **GREEDY), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert out != plain, "the penalty changes the output"
     if name != "repetition_penalty":
         assert out[0] == plain[0], "presence and frequency penalties look at the output only: the first token is free"
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()  # row i scores output token i
+        logits = (
+            model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+        )  # row i scores output token i
     for i, token in enumerate(out):
-        row, counts = logits[i].clone(), torch.bincount(torch.tensor(out[:i], dtype=torch.long), minlength=logits.shape[1]).float()
+        row, counts = (
+            logits[i].clone(),
+            torch.bincount(torch.tensor(out[:i], dtype=torch.long), minlength=logits.shape[1]).float(),
+        )
         if name == "presence_penalty":
             row -= value * (counts > 0)
         elif name == "frequency_penalty":
@@ -1360,24 +1760,39 @@ def test_logit_bias_and_skip_special_tokens(folder_llm):
     forced = SamplingParams(max_tokens=3, logit_bias={im_end: 100.0}, **GREEDY)
     out = folder_llm.generate(["Hello"], forced, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [im_end] * 3 and out.text == ""
-    out = folder_llm.generate(["Hello"], dataclasses.replace(forced, skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    out = folder_llm.generate(["Hello"], dataclasses.replace(forced, skip_special_tokens=False), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.text == "<|im_end|>" * 3
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids(folder_llm):
     prompt = "The capital of France is"
-    greedy = folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        folder_llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
     stop_id = greedy[2]
-    ended = folder_llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], temperature=0.0), use_tqdm=False)[0].outputs[0]
+    ended = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], temperature=0.0), use_tqdm=False
+    )[0].outputs[0]
     assert ended.token_ids == greedy[: greedy.index(stop_id) + 1]
-    held = folder_llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], min_tokens=6, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    held = folder_llm.generate(
+        [prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], min_tokens=6, temperature=0.0), use_tqdm=False
+    )[0].outputs[0]
     assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
-    assert held.token_ids[:2] == greedy[:2] and held.token_ids[2] != stop_id, "the stop id is masked: the next best token comes"
+    assert held.token_ids[:2] == greedy[:2] and held.token_ids[2] != stop_id, (
+        "the stop id is masked: the next best token comes"
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 1.0), top_k=st.sampled_from([1, 3, 50]), extra=st.sampled_from([0, 4, 16]),
-       ties=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    top_p=st.floats(0.05, 1.0),
+    top_k=st.sampled_from([1, 3, 50]),
+    extra=st.sampled_from([0, 4, 16]),
+    ties=st.booleans(),
+)
 def test_partial_sort_draws_what_a_full_sort_draws(seed, top_p, top_k, extra, ties):
     """Top-k rows look at their best tokens only (a partial sort, as wide as the batch's largest top-k): the
     same token as over the whole sorted row, for the same uniform draw, also where logits tie (bf16 logits
@@ -1397,7 +1812,9 @@ def test_nucleus_rejection_keeps_only_the_nucleus(seed, top_p, min_p):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(6, 40, generator=gen) * 3
     p, m = torch.full((6,), top_p), torch.full((6,), min_p)
-    tokens = kernels.sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best)
+    tokens = kernels.sample_nucleus(
+        x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best
+    )
     for row in range(6):
         assert not clearly_excluded(x[row], 1.0, 0, top_p, min_p)[tokens[row]]
 
@@ -1406,17 +1823,27 @@ def test_filters_follow_vllms_order_and_keep_ties_together():
     """min-p before top-p, top-p's mass measured after min-p (vLLM's order); a token whose better tokens hold
     exactly top_p is out; top-k keeps the tokens that tie with its k-th (vLLM's and HF's top-k); the sort path
     and the CPU's rejection path agree."""
+
     def tokens(probs, top_k=None, top_p=1.0, min_p=0.0, n=64):
         x = torch.tensor(probs, dtype=torch.float64).log().float().expand(n, -1)
-        k, p, m, u = torch.full((n,), top_k or x.shape[1]), torch.full((n,), top_p), torch.full((n,), min_p), torch.linspace(0, 0.999, n)
+        k, p, m, u = (
+            torch.full((n,), top_k or x.shape[1]),
+            torch.full((n,), top_p),
+            torch.full((n,), min_p),
+            torch.linspace(0, 0.999, n),
+        )
         best = set(nanobatch._sample_best(x, x.shape[1], k, p, m, u).tolist())
         if top_k is None:  # top-p alone: the CPU's rejection path too
             gen = torch.Generator().manual_seed(0)
-            nucleus = kernels.sample_nucleus(x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best)
+            nucleus = kernels.sample_nucleus(
+                x, p, m, lambda rows: torch.rand(len(rows), generator=gen), exact=nanobatch._sample_best
+            )
             assert set(nucleus.tolist()) == best, (probs, top_k, top_p, min_p)
         return best
 
-    assert tokens([0.5, 0.3] + [0.2 / 62] * 62, top_p=0.6, min_p=0.1) == {0}  # HF's order (min-p last) would keep token 1
+    assert tokens([0.5, 0.3] + [0.2 / 62] * 62, top_p=0.6, min_p=0.1) == {
+        0
+    }  # HF's order (min-p last) would keep token 1
     assert tokens([0.5, 0.25, 0.25], top_p=0.5) == {0}
     assert tokens([0.4, 0.3, 0.3], top_p=0.6) == {0, 1, 2}  # the two tied tokens stay together
     assert tokens([0.5, 0.2, 0.2, 0.1], top_k=2) == {0, 1, 2}
@@ -1426,10 +1853,15 @@ def test_sampler_draws_the_filtered_distribution():
     """Empirical frequencies over many rows equal the top-k / top-p / min-p distribution."""
     torch.manual_seed(1)
     logits = torch.randn(1, 30) * 2
-    for params in [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.2, top_k=5), SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=1.0)]:
+    for params in [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=5),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0),
+    ]:
         n = 20000
         seqs = [Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1]) for i in range(n)]
-        tokens = sample(logits.expand(n, -1).contiguous(), SamplingBatch.from_seqs(seqs, 30, torch.device("cpu")), torch.Generator().manual_seed(2))
+        tokens = sample_fast(logits.expand(n, -1).contiguous(), seqs, torch.Generator().manual_seed(2))
         freq = torch.bincount(tokens, minlength=30).double() / n
         probs = torch.softmax(logits[0].double() / params.temperature, -1)
         order = probs.argsort(descending=True)
@@ -1445,35 +1877,321 @@ def test_sampler_draws_the_filtered_distribution():
         assert (freq - expected).abs().max() < 0.015, params
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.6, 1.0, 1.7]),
+            st.sampled_from([0, 1, 3, 40, 64]),
+            st.sampled_from([1.0, 0.95, 0.5, 0.2]),
+            st.sampled_from([0.0, 0.1]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    ties=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_fast_sampler_gives_the_reference_tokens(seed, rows, ties, dtype):
+    """sample_fast (row groups, partial sorts, rejection top-p, the CPU's greedy) gives sample's tokens (Part I's
+    rule) to every greedy row and to every seeded row, step after step, whatever else the batch holds; a row
+    without a seed draws from the engine's generator in another order (test_sampler_never_picks_an_excluded_token)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 64, generator=gen) * 3
+    logits = (logits.round() if ties else logits).to(dtype)  # bf16 logits often tie
+
+    def batch():  # each sampler gets its own sequences: a seeded one's generator advances with its draws
+        seqs = []
+        for i, (temperature, top_k, top_p, min_p, seeded) in enumerate(rows):
+            params = SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed + i if seeded else None
+            )
+            generator = torch.Generator().manual_seed(seed + i) if seeded else None
+            seqs.append(Sequence(i, Request(str(i), None, [1], params, RequestMetrics(0.0)), [1], generator=generator))
+        return seqs
+
+    reference, fast = batch(), batch()
+    same = [i for i, (temperature, *_, seeded) in enumerate(rows) if temperature == 0 or seeded]
+    for _ in range(3):
+        want = sample(logits, reference, torch.Generator().manual_seed(1))
+        got = sample_fast(logits, fast, torch.Generator().manual_seed(2))
+        assert got.dtype == want.dtype == torch.int64
+        assert got[same].tolist() == want[same].tolist(), rows
+
+
 # ---- Structured outputs ----
 
 
-NAME = {"type": "string", "minLength": 1, "maxLength": 24}  # bounded strings (and items, numbers): every output fits in max_tokens
+NAME = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 24,
+}  # bounded strings (and items, numbers): every output fits in max_tokens
 SCHEMAS = [  # (what the prompt asks for, JSON schema)
-    ("a person", {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}),
-    ("a book", {"type": "object", "properties": {"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
-                                                  "isbn": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{10}$"}}, "required": ["title", "author", "year"]}),
-    ("a color", {"type": "object", "properties": {"name": {"enum": ["red", "green", "blue"]}, "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}, "required": ["name", "hex"]}),
-    ("a point in the plane", {"type": "object", "properties": {"x": {"type": "number", "minimum": -100, "maximum": 100}, "y": {"type": "number", "minimum": -100, "maximum": 100}}, "required": ["x", "y"]}),
-    ("a postal address", {"type": "object", "properties": {"street": NAME, "city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "city", "zip"]}),
-    ("a company and its CEO", {"type": "object", "properties": {"company": NAME, "ceo": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 18, "maximum": 99}}, "required": ["name", "age"]}}, "required": ["company", "ceo"]}),
-    ("some tags for a blog post", {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}}, "required": ["tags"]}),
-    ("a todo item", {"type": "object", "properties": {"task": NAME, "done": {"type": "boolean"}, "priority": {"enum": ["low", "medium", "high"]}}, "required": ["task", "done", "priority"]}),
-    ("the weather in a city", {"type": "object", "properties": {"city": NAME, "temperature": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"enum": ["C", "F"]}}, "required": ["city", "temperature", "unit"]}),
-    ("a product", {"type": "object", "properties": {"name": NAME, "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000}, "in_stock": {"type": "boolean"},
-                                                     "discount": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["name", "price", "in_stock"]}),
-    ("a small matrix of integers", {"type": "object", "properties": {"rows": {"type": "array", "maxItems": 3, "minItems": 1, "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": -9, "maximum": 9}}}}, "required": ["rows"]}),
-    ("an event with a date", {"type": "object", "properties": {"title": NAME, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}, "required": ["title", "date"]}),
-    ("a user account", {"type": "object", "properties": {"user": {"type": "string", "pattern": "^[a-z]{1,12}$"}, "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"}}, "required": ["user", "email"]}),
-    ("a recipe", {"type": "object", "properties": {"name": NAME, "ingredients": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {"item": NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 1000}}, "required": ["item", "grams"]}}}, "required": ["name", "ingredients"]}),
-    ("an answer to: is the sky blue?", {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]}),
-    ("a movie review", {"type": "object", "properties": {"title": NAME, "rating": {"type": "integer", "minimum": 1, "maximum": 10}, "genres": {"type": "array", "maxItems": 3, "items": {"enum": ["action", "comedy", "drama", "horror"]}}}, "required": ["title", "rating"]}),
-    ("a phone contact", {"type": "object", "properties": {"name": NAME, "phone": {"type": "string", "pattern": "^\\+1-[0-9]{3}-[0-9]{3}-[0-9]{4}$"}}, "required": ["name", "phone"]}),
-    ("a software team", {"type": "object", "properties": {"team": NAME, "members": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "object", "properties": {"name": NAME, "role": {"enum": ["dev", "pm", "qa"]}}, "required": ["name", "role"]}}}, "required": ["team", "members"]}),
-    ("three lucky digits", {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 3}),
-    ("a user profile", {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 10**6}, "nickname": {"anyOf": [NAME, {"type": "null"}]}, "verified": {"type": "boolean"}}, "required": ["id", "nickname"]}),
-    ("a planet", {"type": "object", "properties": {"name": NAME, "moons": {"type": "integer", "minimum": 0, "maximum": 200}, "star": {"type": "object", "properties": {"name": NAME, "kind": {"enum": ["dwarf", "giant"]}}, "required": ["name", "kind"]}}, "required": ["name", "moons", "star"]}),
-    ("a software release", {"type": "object", "properties": {"version": {"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,2}$"}, "stable": {"type": "boolean"}}, "required": ["version", "stable"]}),
+    (
+        "a person",
+        {
+            "type": "object",
+            "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+            "required": ["name", "age"],
+        },
+    ),
+    (
+        "a book",
+        {
+            "type": "object",
+            "properties": {
+                "title": NAME,
+                "author": NAME,
+                "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
+                "isbn": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{10}$"},
+            },
+            "required": ["title", "author", "year"],
+        },
+    ),
+    (
+        "a color",
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": ["red", "green", "blue"]},
+                "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+            },
+            "required": ["name", "hex"],
+        },
+    ),
+    (
+        "a point in the plane",
+        {
+            "type": "object",
+            "properties": {
+                "x": {"type": "number", "minimum": -100, "maximum": 100},
+                "y": {"type": "number", "minimum": -100, "maximum": 100},
+            },
+            "required": ["x", "y"],
+        },
+    ),
+    (
+        "a postal address",
+        {
+            "type": "object",
+            "properties": {"street": NAME, "city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["street", "city", "zip"],
+        },
+    ),
+    (
+        "a company and its CEO",
+        {
+            "type": "object",
+            "properties": {
+                "company": NAME,
+                "ceo": {
+                    "type": "object",
+                    "properties": {"name": NAME, "age": {"type": "integer", "minimum": 18, "maximum": 99}},
+                    "required": ["name", "age"],
+                },
+            },
+            "required": ["company", "ceo"],
+        },
+    ),
+    (
+        "some tags for a blog post",
+        {
+            "type": "object",
+            "properties": {
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}
+            },
+            "required": ["tags"],
+        },
+    ),
+    (
+        "a todo item",
+        {
+            "type": "object",
+            "properties": {"task": NAME, "done": {"type": "boolean"}, "priority": {"enum": ["low", "medium", "high"]}},
+            "required": ["task", "done", "priority"],
+        },
+    ),
+    (
+        "the weather in a city",
+        {
+            "type": "object",
+            "properties": {
+                "city": NAME,
+                "temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "temperature", "unit"],
+        },
+    ),
+    (
+        "a product",
+        {
+            "type": "object",
+            "properties": {
+                "name": NAME,
+                "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000},
+                "in_stock": {"type": "boolean"},
+                "discount": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["name", "price", "in_stock"],
+        },
+    ),
+    (
+        "a small matrix of integers",
+        {
+            "type": "object",
+            "properties": {
+                "rows": {
+                    "type": "array",
+                    "maxItems": 3,
+                    "minItems": 1,
+                    "items": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 3,
+                        "items": {"type": "integer", "minimum": -9, "maximum": 9},
+                    },
+                }
+            },
+            "required": ["rows"],
+        },
+    ),
+    (
+        "an event with a date",
+        {
+            "type": "object",
+            "properties": {"title": NAME, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+            "required": ["title", "date"],
+        },
+    ),
+    (
+        "a user account",
+        {
+            "type": "object",
+            "properties": {
+                "user": {"type": "string", "pattern": "^[a-z]{1,12}$"},
+                "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}\\.com$"},
+            },
+            "required": ["user", "email"],
+        },
+    ),
+    (
+        "a recipe",
+        {
+            "type": "object",
+            "properties": {
+                "name": NAME,
+                "ingredients": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 2,
+                    "items": {
+                        "type": "object",
+                        "properties": {"item": NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                        "required": ["item", "grams"],
+                    },
+                },
+            },
+            "required": ["name", "ingredients"],
+        },
+    ),
+    (
+        "an answer to: is the sky blue?",
+        {
+            "type": "object",
+            "properties": {
+                "answer": {"enum": ["yes", "no"]},
+                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["answer", "confidence"],
+        },
+    ),
+    (
+        "a movie review",
+        {
+            "type": "object",
+            "properties": {
+                "title": NAME,
+                "rating": {"type": "integer", "minimum": 1, "maximum": 10},
+                "genres": {"type": "array", "maxItems": 3, "items": {"enum": ["action", "comedy", "drama", "horror"]}},
+            },
+            "required": ["title", "rating"],
+        },
+    ),
+    (
+        "a phone contact",
+        {
+            "type": "object",
+            "properties": {"name": NAME, "phone": {"type": "string", "pattern": "^\\+1-[0-9]{3}-[0-9]{3}-[0-9]{4}$"}},
+            "required": ["name", "phone"],
+        },
+    ),
+    (
+        "a software team",
+        {
+            "type": "object",
+            "properties": {
+                "team": NAME,
+                "members": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 2,
+                    "items": {
+                        "type": "object",
+                        "properties": {"name": NAME, "role": {"enum": ["dev", "pm", "qa"]}},
+                        "required": ["name", "role"],
+                    },
+                },
+            },
+            "required": ["team", "members"],
+        },
+    ),
+    (
+        "three lucky digits",
+        {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 3},
+    ),
+    (
+        "a user profile",
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 1, "maximum": 10**6},
+                "nickname": {"anyOf": [NAME, {"type": "null"}]},
+                "verified": {"type": "boolean"},
+            },
+            "required": ["id", "nickname"],
+        },
+    ),
+    (
+        "a planet",
+        {
+            "type": "object",
+            "properties": {
+                "name": NAME,
+                "moons": {"type": "integer", "minimum": 0, "maximum": 200},
+                "star": {
+                    "type": "object",
+                    "properties": {"name": NAME, "kind": {"enum": ["dwarf", "giant"]}},
+                    "required": ["name", "kind"],
+                },
+            },
+            "required": ["name", "moons", "star"],
+        },
+    ),
+    (
+        "a software release",
+        {
+            "type": "object",
+            "properties": {
+                "version": {"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,2}$"},
+                "stable": {"type": "boolean"},
+            },
+            "required": ["version", "stable"],
+        },
+    ),
 ]
 
 
@@ -1483,7 +2201,9 @@ def json_prompt(llm, what):
 
 def constrained(max_tokens=200, **kw):
     sampling = {k: kw.pop(k) for k in ("temperature", "n", "seed", "ignore_eos") if k in kw}
-    return SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}, structured_outputs=StructuredOutputsParams(**kw))
+    return SamplingParams(
+        max_tokens=max_tokens, **{"temperature": 0.0, **sampling}, structured_outputs=StructuredOutputsParams(**kw)
+    )
 
 
 def test_json_schemas_greedy_and_sampled_validate(default_llm):
@@ -1507,27 +2227,57 @@ def test_choice_regex_and_grammar(default_llm):
     grammar = 'root ::= "The answer is " digit "." \ndigit ::= [0-9]'
     cases = [  # (prompt, constraint, check)
         ("Is Paris in France?", dict(choice=["yes", "no", 'maybe "so"']), lambda t: t in ["yes", "no", 'maybe "so"']),
-        ("Pick a fruit.", dict(choice=["apple", "banana", "cherry"], temperature=1.0, n=4, seed=3), lambda t: t in ["apple", "banana", "cherry"]),
-        ("What is the date of the French revolution?", dict(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), lambda t: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t)),
-        ("Write an email address.", dict(regex=r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", temperature=0.9, n=3, seed=5), lambda t: re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", t)),
+        (
+            "Pick a fruit.",
+            dict(choice=["apple", "banana", "cherry"], temperature=1.0, n=4, seed=3),
+            lambda t: t in ["apple", "banana", "cherry"],
+        ),
+        (
+            "What is the date of the French revolution?",
+            dict(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+            lambda t: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", t),
+        ),
+        (
+            "Write an email address.",
+            dict(regex=r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", temperature=0.9, n=3, seed=5),
+            lambda t: re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.(com|org)", t),
+        ),
         ("What is 3 + 4?", dict(grammar=grammar), lambda t: re.fullmatch(r"The answer is [0-9]\.", t)),
-        ("What is 2 + 2?", dict(grammar=grammar, temperature=1.0, n=2, seed=7), lambda t: re.fullmatch(r"The answer is [0-9]\.", t)),
-        ("Give a person with a name and an age as JSON.", dict(json_object=True, max_tokens=100), lambda t: isinstance(json.loads(t), dict)),
+        (
+            "What is 2 + 2?",
+            dict(grammar=grammar, temperature=1.0, n=2, seed=7),
+            lambda t: re.fullmatch(r"The answer is [0-9]\.", t),
+        ),
+        (
+            "Give a person with a name and an age as JSON.",
+            dict(json_object=True, max_tokens=100),
+            lambda t: isinstance(json.loads(t), dict),
+        ),
     ]
     prompts = [default_llm.chat_prompt([{"role": "user", "content": p}]) for p, _, _ in cases]
-    outputs = default_llm.generate(prompts, [constrained(**{"max_tokens": 40, **kw}) for _, kw, _ in cases], use_tqdm=False)
+    outputs = default_llm.generate(
+        prompts, [constrained(**{"max_tokens": 40, **kw}) for _, kw, _ in cases], use_tqdm=False
+    )
     for (prompt, kw, check), out in zip(cases, outputs):
         for c in out.outputs:
             assert c.finish_reason == "stop" and check(c.text), (prompt, kw, c.text)
-            assert c.token_ids[-1] in default_llm.eos_token_ids, "the grammar ends with EOS, kept in token_ids as an unconstrained EOS is"
+            assert c.token_ids[-1] in default_llm.eos_token_ids, (
+                "the grammar ends with EOS, kept in token_ids as an unconstrained EOS is"
+            )
 
 
 def test_unconstrained_rows_unchanged_by_constrained_neighbours(folder_llm):
-    chats = [folder_llm.chat_prompt([{"role": "user", "content": q}]) for q in ["Tell me about cats.", "What is the capital of Italy?"]]
+    chats = [
+        folder_llm.chat_prompt([{"role": "user", "content": q}])
+        for q in ["Tell me about cats.", "What is the capital of Italy?"]
+    ]
     plain = SamplingParams(max_tokens=24, **GREEDY)
     alone = folder_llm.generate(chats, plain, use_tqdm=False)
-    mixed = folder_llm.generate([chats[0], json_prompt(folder_llm, "a person"), chats[1], json_prompt(folder_llm, "a color")],
-                                [plain, constrained(json=SCHEMAS[0][1]), plain, constrained(json=SCHEMAS[2][1], temperature=0.7, n=2, seed=1)], use_tqdm=False)
+    mixed = folder_llm.generate(
+        [chats[0], json_prompt(folder_llm, "a person"), chats[1], json_prompt(folder_llm, "a color")],
+        [plain, constrained(json=SCHEMAS[0][1]), plain, constrained(json=SCHEMAS[2][1], temperature=0.7, n=2, seed=1)],
+        use_tqdm=False,
+    )
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
     for out, schema in [(mixed[1], SCHEMAS[0][1]), (mixed[3], SCHEMAS[2][1])]:
         for c in out.outputs:
@@ -1539,7 +2289,9 @@ def test_preemption_keeps_constrained_output(default_folder, folder_llm):
     jsonschema = pytest.importorskip("jsonschema")
     picks = [SCHEMAS[i] for i in (0, 5, 13, 17)]
     prompts = [json_prompt(folder_llm, what) for what, _ in picks]
-    params = [constrained(json=schema, ignore_eos=True, max_tokens=120) for _, schema in picks]  # ignore_eos: the grammar still ends it
+    params = [
+        constrained(json=schema, ignore_eos=True, max_tokens=120) for _, schema in picks
+    ]  # ignore_eos: the grammar still ends it
     expected = folder_llm.generate(prompts, params, use_tqdm=False)
     small = LLM(model=default_folder, num_kv_blocks=12, block_size=16, **CPU)
     got = small.generate(prompts, params, use_tqdm=False)
@@ -1563,37 +2315,45 @@ def test_lazy_import_without_constraints():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(), "exactly one of json, regex, choice, grammar, json_object; got none"),
-    (dict(json={"type": "object"}, regex="a+"), "got json, regex"),
-    (dict(choice=["a"], json_object=True), "got choice, json_object"),
-    (dict(json="{not json"), "StructuredOutputsParams.json must be a JSON schema"),
-    (dict(json=3), "StructuredOutputsParams.json must be a JSON schema"),
-    (dict(regex=""), "StructuredOutputsParams.regex must be a non-empty string"),
-    (dict(choice=[]), "StructuredOutputsParams.choice must be a non-empty list"),
-    (dict(choice=["a", 1]), "StructuredOutputsParams.choice must be a non-empty list"),
-    (dict(grammar=5), "StructuredOutputsParams.grammar must be a non-empty string"),
-    (dict(json_object="yes"), "StructuredOutputsParams.json_object must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(), "exactly one of json, regex, choice, grammar, json_object; got none"),
+        (dict(json={"type": "object"}, regex="a+"), "got json, regex"),
+        (dict(choice=["a"], json_object=True), "got choice, json_object"),
+        (dict(json="{not json"), "StructuredOutputsParams.json must be a JSON schema"),
+        (dict(json=3), "StructuredOutputsParams.json must be a JSON schema"),
+        (dict(regex=""), "StructuredOutputsParams.regex must be a non-empty string"),
+        (dict(choice=[]), "StructuredOutputsParams.choice must be a non-empty list"),
+        (dict(choice=["a", 1]), "StructuredOutputsParams.choice must be a non-empty list"),
+        (dict(grammar=5), "StructuredOutputsParams.grammar must be a non-empty string"),
+        (dict(json_object="yes"), "StructuredOutputsParams.json_object must be a bool"),
+    ],
+)
 def test_invalid_structured_outputs_params(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StructuredOutputsParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(regex="(["), "structured_outputs.regex does not compile"),
-    (dict(grammar="root ::= missing"), "structured_outputs.grammar does not compile"),
-    (dict(json={"type": "strange"}), "structured_outputs.json does not compile"),
-    (dict(regex="[^\\s\\S]"), "structured_outputs.regex allows no output"),  # no character at all
-    (dict(grammar="root ::= root"), "structured_outputs.grammar allows no output"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(regex="(["), "structured_outputs.regex does not compile"),
+        (dict(grammar="root ::= missing"), "structured_outputs.grammar does not compile"),
+        (dict(json={"type": "strange"}), "structured_outputs.json does not compile"),
+        (dict(regex="[^\\s\\S]"), "structured_outputs.regex allows no output"),  # no character at all
+        (dict(grammar="root ::= root"), "structured_outputs.grammar allows no output"),
+    ],
+)
 def test_constraint_that_does_not_compile_fails_at_add_request(tiny_llm, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         tiny_llm.add_request("hi", constrained(**kwargs))
     with pytest.raises(ValueError, match=re.escape("prompt 1: " + message)):
         tiny_llm.generate(["hi", "there"], [SamplingParams(max_tokens=2), constrained(**kwargs)], use_tqdm=False)
     assert not tiny_llm.has_unfinished_requests()
-    assert len(tiny_llm.generate("hi", constrained(choice=["a", "b"]), use_tqdm=False)[0].outputs[0].text) == 1, "the engine stays usable"
+    assert len(tiny_llm.generate("hi", constrained(choice=["a", "b"]), use_tqdm=False)[0].outputs[0].text) == 1, (
+        "the engine stays usable"
+    )
     with pytest.raises(ValueError, match="SamplingParams.structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
 
@@ -1617,49 +2377,92 @@ def test_grammar_stop_tokens_min_tokens_and_logprobs_as_vllm(tiny_llm):
     after the grammar's mask."""
     eos = tiny_llm.tokenizer.eos_token_id
     stop = tiny_llm.tokenizer.encode("x", add_special_tokens=False)[0]  # a token the grammar never allows as text
-    params = dataclasses.replace(constrained(regex="[ab]{1,4}", max_tokens=8), stop_token_ids=[stop], logit_bias={stop: 30.0})
+    params = dataclasses.replace(
+        constrained(regex="[ab]{1,4}", max_tokens=8), stop_token_ids=[stop], logit_bias={stop: 30.0}
+    )
     out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
-    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (stop, "stop", stop) and len(out.token_ids) == 2 and set(out.text) <= {"a", "b"}
+    assert (
+        (out.token_ids[-1], out.finish_reason, out.stop_reason) == (stop, "stop", stop)
+        and len(out.token_ids) == 2
+        and set(out.text) <= {"a", "b"}
+    )
     params = dataclasses.replace(constrained(regex="[ab]+", max_tokens=12), min_tokens=6, logit_bias={eos: 30.0})
     out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 7 and out.token_ids[-1] == eos and out.finish_reason == "stop"
     params = dataclasses.replace(constrained(choice=["a", "b"], max_tokens=5), min_tokens=5, logprobs=2)
-    out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]  # min_tokens cannot hold EOS where it alone is left
+    out = tiny_llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[
+        0
+    ]  # min_tokens cannot hold EOS where it alone is left
     assert out.finish_reason == "stop" and len(out.token_ids) == 2
     first = out.logprobs[0]
     assert next(iter(first.values())).logprob >= math.log(0.5) - 1e-6  # greedy among the two tokens the grammar allows
-    allowed = {*tiny_llm.tokenizer.encode("a", add_special_tokens=False), *tiny_llm.tokenizer.encode("b", add_special_tokens=False)}
+    allowed = {
+        *tiny_llm.tokenizer.encode("a", add_special_tokens=False),
+        *tiny_llm.tokenizer.encode("b", add_special_tokens=False),
+    }
     assert all(lp.logprob == -math.inf for tid, lp in first.items() if tid not in allowed)
 
 
-@pytest.mark.parametrize("body,expected", [
-    ({}, None),
-    ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}}}, StructuredOutputsParams(json={"type": "object"})),
-    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
-    ({"structured_outputs": {"choice": ["a", "b"], "json": None}}, StructuredOutputsParams(choice=["a", "b"])),
-    ({"guided_json": '{"type": "object"}'}, StructuredOutputsParams(json='{"type": "object"}')),
-    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
-    ({"guided_choice": ["x", "y"]}, StructuredOutputsParams(choice=["x", "y"])),
-    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
-])
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True},
+                }
+            },
+            StructuredOutputsParams(json={"type": "object"}),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+        ({"structured_outputs": {"choice": ["a", "b"], "json": None}}, StructuredOutputsParams(choice=["a", "b"])),
+        ({"guided_json": '{"type": "object"}'}, StructuredOutputsParams(json='{"type": "object"}')),
+        ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+        ({"guided_choice": ["x", "y"]}, StructuredOutputsParams(choice=["x", "y"])),
+        ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+    ],
+)
 def test_request_fields_map_to_structured_outputs(body, expected):
     assert structured_outputs_from_request(body) == expected
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"response_format": {"type": "xml"}}, "response_format.type must be"),
-    ({"response_format": "json"}, "response_format.type must be"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema must be a JSON schema object"),
-    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs: StructuredOutputsParams takes exactly one"),
-    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs: unsupported field(s) ['whitespace_pattern']"),
-    ({"structured_outputs": "json"}, "structured_outputs must be an object"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "give one structured output constraint, got guided_json, guided_regex"),
-    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "give one structured output constraint, got response_format, guided_choice"),
-    ({"guided_choice": "ab"}, "guided_choice must be a non-empty list"),  # the request's field, not the engine's class
-    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type must be"),
+        ({"response_format": "json"}, "response_format.type must be"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema must be a JSON schema object",
+        ),
+        (
+            {"structured_outputs": {"json": {}, "regex": "a"}},
+            "structured_outputs: StructuredOutputsParams takes exactly one",
+        ),
+        (
+            {"structured_outputs": {"whitespace_pattern": " "}},
+            "structured_outputs: unsupported field(s) ['whitespace_pattern']",
+        ),
+        ({"structured_outputs": "json"}, "structured_outputs must be an object"),
+        (
+            {"guided_json": {"type": "object"}, "guided_regex": "a"},
+            "give one structured output constraint, got guided_json, guided_regex",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+            "give one structured output constraint, got response_format, guided_choice",
+        ),
+        (
+            {"guided_choice": "ab"},
+            "guided_choice must be a non-empty list",
+        ),  # the request's field, not the engine's class
+        ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex must be a non-empty string"),
+    ],
+)
 def test_bad_request_fields_name_the_problem(body, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         structured_outputs_from_request(body)
@@ -1673,9 +2476,20 @@ def hf_beams(model, prompt_ids, k, max_new_tokens, eos_ids):
     and their scores. eos_ids: the EOS tokens, or None to ignore EOS."""
     model.generation_config.eos_token_id = eos_ids
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k, do_sample=False, length_penalty=1.0,
-                         early_stopping=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=eos_ids[0] if eos_ids else 0,
-                         return_dict_in_generate=True, output_scores=True)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=k,
+        num_return_sequences=k,
+        do_sample=False,
+        length_penalty=1.0,
+        early_stopping=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_ids,
+        pad_token_id=eos_ids[0] if eos_ids else 0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     sequences = []
     for row in out.sequences[:, len(prompt_ids) :].tolist():
         ends = [i for i, t in enumerate(row) if eos_ids and t in eos_ids]
@@ -1703,8 +2517,15 @@ def check_beams_match_hf(llm, model, prompts, k, max_tokens, ignore_eos):
 
 def beam_prompts(llm, tokenizer):
     """4 chat questions with short answers (the beams meet EOS) and 4 passage snippets."""
-    questions = ["What is 2 + 2? Answer with a number.", "Name one primary color.", "Say hello.", "Is the sky blue? Answer yes or no."]
-    return [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions] + passage_prompts(tokenizer, [6, 17, 33, 50])
+    questions = [
+        "What is 2 + 2? Answer with a number.",
+        "Name one primary color.",
+        "Say hello.",
+        "Is the sky blue? Answer yes or no.",
+    ]
+    return [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions] + passage_prompts(
+        tokenizer, [6, 17, 33, 50]
+    )
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -1731,13 +2552,21 @@ def test_beam_search_matches_hf_on_tiny_models(tiny_models, family):
 def test_beam_groups_beside_ordinary_requests(tiny_models):
     """Beam groups and ordinary requests (greedy, n=2 sampled) in one batch: each comes out as it does alone."""
     llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=128, block_size=8, **CPU)
-    prompts = [list(range(10, 31)), list(range(200, 213)), list(range(50, 77)), list(range(300, 309)), list(range(10, 31))]
+    prompts = [
+        list(range(10, 31)),
+        list(range(200, 213)),
+        list(range(50, 77)),
+        list(range(300, 309)),
+        list(range(10, 31)),
+    ]
     params = [
         SamplingParams(max_tokens=10, **GREEDY),
         BeamSearchParams(beam_width=3, max_tokens=10),
         SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
         BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
-        BeamSearchParams(beam_width=4, max_tokens=9, ignore_eos=True),  # the same prompt as the greedy request: prefix-cache hits
+        BeamSearchParams(
+            beam_width=4, max_tokens=9, ignore_eos=True
+        ),  # the same prompt as the greedy request: prefix-cache hits
     ]
     together = llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats.num_steps <= 14, "they ran in the same batches (12 tokens at most + the prefill step)"
@@ -1766,7 +2595,9 @@ def test_beam_group_shares_blocks_and_frees_them(tiny_models):
     """4 beams on a 40-token prompt: the full prompt blocks are held once, a beam that takes over
     another's history shares its blocks, and the peak stays well below 4 independent sequences."""
     llm = LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=64, block_size=8, **CPU)
-    out, usage = run_beam_group(llm, list(range(100, 140)), BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    out, usage = run_beam_group(
+        llm, list(range(100, 140)), BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True)
+    )
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 20 for c in out.outputs)
     peak_group, peak_independent = max(u[0] for u in usage), max(u[1] for u in usage)
     assert peak_group < peak_independent and all(held <= apart for held, apart in usage)
@@ -1778,10 +2609,20 @@ def test_beam_group_shares_blocks_and_frees_them(tiny_models):
 def test_beam_groups_under_preemption(tiny_models, prefix_caching):
     """A pool so small that beam groups are preempted (as a whole) and recomputed: same beams, every block back."""
     folder = tiny_models["llama-gqa-untied"][0]
-    prompts = [list(range(20, 41)), list(range(20, 41)), list(range(400, 417)), list(range(90, 110)), list(range(700, 719))]
-    params = [BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True), BeamSearchParams(beam_width=3, max_tokens=12),
-              SamplingParams(max_tokens=12, **GREEDY), BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
-              SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True)]
+    prompts = [
+        list(range(20, 41)),
+        list(range(20, 41)),
+        list(range(400, 417)),
+        list(range(90, 110)),
+        list(range(700, 719)),
+    ]
+    params = [
+        BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True),
+        BeamSearchParams(beam_width=3, max_tokens=12),
+        SamplingParams(max_tokens=12, **GREEDY),
+        BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
     roomy = LLM(model=folder, num_kv_blocks=256, block_size=8, **CPU).generate(prompts, params, use_tqdm=False)
     # one 4-beam group needs up to 20 blocks: the smallest pool it fits (the two equal prompts share theirs)
     small = LLM(model=folder, num_kv_blocks=20, block_size=8, enable_prefix_caching=prefix_caching, **CPU)
@@ -1799,12 +2640,18 @@ def test_beam_groups_under_preemption(tiny_models, prefix_caching):
     assert preempted_groups, "a beam group was preempted"
     for a, b in zip(roomy, outputs):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert small.allocator.num_free_blocks == small.allocator.num_blocks and all(r == 0 for r in small.allocator.ref_counts)
+    assert small.allocator.num_free_blocks == small.allocator.num_blocks and all(
+        r == 0 for r in small.allocator.ref_counts
+    )
 
 
 def test_beam_search_bad_input(tiny_llm):
-    for kwargs, message in [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens"),
-                            (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"), (dict(beam_width=2, max_tokens=4, length_penalty=math.nan), "length_penalty")]:
+    for kwargs, message in [
+        (dict(beam_width=0, max_tokens=4), "beam_width"),
+        (dict(beam_width=2, max_tokens=0), "max_tokens"),
+        (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"),
+        (dict(beam_width=2, max_tokens=4, length_penalty=math.nan), "length_penalty"),
+    ]:
         with pytest.raises(ValueError, match=message):
             BeamSearchParams(**kwargs)
     with pytest.raises(ValueError, match="KV blocks"):  # 8 beams of 700 tokens cannot fit 48 blocks of 16
@@ -1829,8 +2676,18 @@ def tp_odd_model(tmp_path_factory, default_tokenizer):
     folder = str(tmp_path_factory.mktemp("tp_odd"))
     tokenizer = default_tokenizer
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=1, max_position_embeddings=1024, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer) + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # large random weights, as make_tiny_model: no greedy ties by chance
         for name, p in model.named_parameters():
@@ -1864,7 +2721,9 @@ def tp_workload(tokenizer):
     return [system + q for q in questions[:3]] + [questions[3], system + questions[0]]
 
 
-@pytest.mark.parametrize("family", ["odd", "qwen3-qk-norm"])  # with the default model below: every sharding case, few spawns
+@pytest.mark.parametrize(
+    "family", ["odd", "qwen3-qk-norm"]
+)  # with the default model below: every sharding case, few spawns
 def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_tokenizer):
     """fp32 greedy: TP=2 gives TP=1's tokens, its logits within 1e-5 at every step, in a pool small enough
     to preempt and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
@@ -1899,17 +2758,26 @@ def test_tp2_features(tp_odd_model):
     """What runs on rank 0 only works under TP as without it: n > 1 with seeds, logprobs and prompt
     logprobs, structured outputs, beam search, chunked prefill (a 16-token step budget)."""
     prompts = [list(range(100, 140)), list(range(500, 509))]
-    params = [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2),
-              SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="(yes|no)[0-9]{1,3}"))]
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2),
+        SamplingParams(
+            max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="(yes|no)[0-9]{1,3}")
+        ),
+    ]
     beam = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
     engine = dict(max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=64, **CPU)
 
     def run(llm):
         outs = llm.generate(prompts, params, use_tqdm=False)
         beams = llm.beam_search([prompts[1]], beam)[0]
-        exact = ([[(c.token_ids, c.text, [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs] for o in outs],
-                 [sorted(d) for d in outs[0].prompt_logprobs[1:]], [s.tokens for s in beams.sequences])
-        close = [lp.logprob for d in outs[0].prompt_logprobs[1:] for lp in d.values()] + [s.cum_logprob for s in beams.sequences]
+        exact = (
+            [[(c.token_ids, c.text, [sorted(lp) for lp in c.logprobs or []]) for c in o.outputs] for o in outs],
+            [sorted(d) for d in outs[0].prompt_logprobs[1:]],
+            [s.tokens for s in beams.sequences],
+        )
+        close = [lp.logprob for d in outs[0].prompt_logprobs[1:] for lp in d.values()] + [
+            s.cum_logprob for s in beams.sequences
+        ]
         return exact, close
 
     expected, expected_values = run(LLM(model=tp_odd_model, **engine))
@@ -1948,7 +2816,9 @@ def test_tp_an_interrupted_step_or_a_failed_start_leaves_no_rank_waiting(tp_odd_
     error still holding it) does not block the next one."""
     with tp_engine(tp_odd_model, num_kv_blocks=32, **CPU) as llm:
         llm.add_request(list(range(10, 30)), SamplingParams(max_tokens=5, **GREEDY))
-        hook = llm.model.model.layers[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(KeyboardInterrupt))
+        hook = llm.model.model.layers[1].register_forward_pre_hook(
+            lambda module, args: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
         with pytest.raises(KeyboardInterrupt):
             llm.step()
         hook.remove()
@@ -1961,7 +2831,14 @@ def test_tp_an_interrupted_step_or_a_failed_start_leaves_no_rank_waiting(tp_odd_
     with pytest.raises(ValueError, match="exceeds the model's limit") as failed:  # after the spawn, in load_model
         LLM(model=tp_odd_model, tensor_parallel_size=2, max_model_len=5000, **CPU)
     with tp_engine(tp_odd_model, num_kv_blocks=32, **CPU) as llm:
-        assert len(llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids) == 2
+        assert (
+            len(
+                llm.generate([[10, 11, 12]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
+            )
+            == 2
+        )
     assert failed.value is not None
 
 
@@ -2025,8 +2902,17 @@ def test_invalid_sampling_params(field, value, message):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("block_size", 3), ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("gpu_memory_utilization", 1.5), ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"),
-     ("seed", -1), ("seed", 1.5)],
+    [
+        ("block_size", 3),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", -1),
+        ("gpu_memory_utilization", 1.5),
+        ("num_kv_blocks", 0),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("seed", -1),
+        ("seed", 1.5),
+    ],
 )
 def test_invalid_engine_config(field, value):
     with pytest.raises(ValueError, match=field if field != "device" else "device"):
@@ -2036,10 +2922,22 @@ def test_invalid_engine_config(field, value):
 def test_engine_config_takes_vllms_spellings(tiny_models):
     """dtype as vLLM's LLM takes it ("half", "float", a torch.dtype); trust_remote_code is taken (no model code ever runs);
     seed None is a random seed; get_tokenizer is vLLM's name for the tokenizer."""
-    for dtype, expected in (("half", "float16"), ("float", "float32"), (torch.float32, "float32"), (torch.float16, "float16")):
+    for dtype, expected in (
+        ("half", "float16"),
+        ("float", "float32"),
+        (torch.float32, "float32"),
+        (torch.float16, "float16"),
+    ):
         assert EngineConfig(dtype=dtype, device="cpu").dtype == expected
     llm = LLM(model=tiny_models["llama-gqa-untied"][0], seed=None, trust_remote_code=True, num_kv_blocks=8, **CPU)
-    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert (
+        len(
+            llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 3
+    )
     assert llm.get_tokenizer() is llm.tokenizer
 
 
@@ -2057,16 +2955,28 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
     cases = [
         (lambda: llm.generate(None, good), "no prompts"),
         (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
-        (lambda: llm.generate(["ok", [1] * 5000], good), "prompt 1: This model's maximum context length is 1024 tokens. However, your prompt contains 5000 input tokens"),
+        (
+            lambda: llm.generate(["ok", [1] * 5000], good),
+            "prompt 1: This model's maximum context length is 1024 tokens. However, your prompt contains 5000 input tokens",
+        ),
         (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
         (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
         (lambda: llm.generate(["a", "b"], [good]), "got 1 SamplingParams for 2 prompts"),
         (lambda: llm.generate(["a"], {"temperature": 0}), "must be a SamplingParams"),
         (lambda: llm.generate(["a"], SamplingParams(max_tokens=1000)), "KV blocks"),  # 768 slots in the pool
         (lambda: llm.add_request("x", SamplingParams(n=1000)), "exceeds max_num_seqs"),
-        (lambda: llm.add_request("x", BeamSearchParams(beam_width=1000, max_tokens=2)), "BeamSearchParams.beam_width 1000 exceeds max_num_seqs"),
-        (lambda: llm.add_request("x", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias has token id 1000000, outside the vocabulary"),
-        (lambda: llm.add_request("x", SamplingParams(stop_token_ids=[10**6], min_tokens=2)), "stop_token_ids has token id 1000000"),
+        (
+            lambda: llm.add_request("x", BeamSearchParams(beam_width=1000, max_tokens=2)),
+            "BeamSearchParams.beam_width 1000 exceeds max_num_seqs",
+        ),
+        (
+            lambda: llm.add_request("x", SamplingParams(logit_bias={10**6: 1.0})),
+            "logit_bias has token id 1000000, outside the vocabulary",
+        ),
+        (
+            lambda: llm.add_request("x", SamplingParams(stop_token_ids=[10**6], min_tokens=2)),
+            "stop_token_ids has token id 1000000",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -2092,7 +3002,9 @@ def test_generation_config_eos_ids_also_through_a_home_path(tiny_models, tmp_pat
         assert {2, 77} <= (llm := LLM(model=model, num_kv_blocks=8, **CPU)).eos_token_ids, model
     # as vLLM's: an EOS id other than the tokenizer's is a stop token, and the output's stop_reason
     for eos, reason in ((77, 77), (llm.tokenizer.eos_token_id, None)):
-        out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, logit_bias={eos: 100}, temperature=0), use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [[5, 6]], SamplingParams(max_tokens=4, logit_bias={eos: 100}, temperature=0), use_tqdm=False
+        )[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", reason)
 
 
@@ -2101,31 +3013,67 @@ def test_generation_config_sampling_settings_are_the_default_params(tiny_models,
     sampling settings, and generate() without params uses them."""
     folder = tmp_path / "tiny"
     shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "do_sample": True,
-                                                               "presence_penalty": 0.5, "frequency_penalty": 0.25}))
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.0,
+                "top_p": 0.9,
+                "top_k": 20,
+                "max_new_tokens": 3,
+                "do_sample": True,
+                "presence_penalty": 0.5,
+                "frequency_penalty": 0.25,
+            }
+        )
+    )
     llm = LLM(model=str(folder), num_kv_blocks=8, **CPU)
     p = llm.get_default_sampling_params()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_p) == (0.0, 0.9, 20, 3, SamplingParams.min_p)
-    assert (p.presence_penalty, p.frequency_penalty) == (0.0, 0.0)  # as vLLM: transformers' GenerationConfig, which it reads them through, drops them
+    assert (p.presence_penalty, p.frequency_penalty) == (
+        0.0,
+        0.0,
+    )  # as vLLM: transformers' GenerationConfig, which it reads them through, drops them
     greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
-    assert llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids == greedy  # greedy, 3 tokens at most: the folder's settings
-    assert LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, **CPU).get_default_sampling_params() == SamplingParams()
+    assert (
+        llm.generate([[5, 6]], use_tqdm=False)[0].outputs[0].token_ids == greedy
+    )  # greedy, 3 tokens at most: the folder's settings
+    assert (
+        LLM(model=tiny_models["llama-gqa-untied"][0], num_kv_blocks=8, **CPU).get_default_sampling_params()
+        == SamplingParams()
+    )
 
 
 def test_chat_prompt_and_seeds_as_vllm_032(default_tokenizer):
     """As vLLM's renderer: a "developer" message is a system one where the template knows no developer role (system
     messages then merge into one at the front, joined by a blank line); a template in chat_template_kwargs is refused.
     SamplingParams(seed=-1) is no seed, as vLLM's."""
-    system = nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi"}])
-    developer = nanobatch.chat_prompt(default_tokenizer, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
-    merged = nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
-                                                       {"role": "user", "content": "hi"}])
+    system = nanobatch.chat_prompt(
+        default_tokenizer, [{"role": "system", "content": "Be brief.\n\nBe kind."}, {"role": "user", "content": "hi"}]
+    )
+    developer = nanobatch.chat_prompt(
+        default_tokenizer, [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
+    merged = nanobatch.chat_prompt(
+        default_tokenizer,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": "Be kind."},
+            {"role": "user", "content": "hi"},
+        ],
+    )
     assert "developer" not in developer["prompt"] and merged == system
-    assert developer == nanobatch.chat_prompt(default_tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert developer == nanobatch.chat_prompt(
+        default_tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
     knows = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{# 'developer' #}"
-    assert nanobatch.chat_prompt(default_tokenizer, [{"role": "developer", "content": "x"}], chat_template=knows)["prompt"] == "developer: x\n"
+    assert (
+        nanobatch.chat_prompt(default_tokenizer, [{"role": "developer", "content": "x"}], chat_template=knows)["prompt"]
+        == "developer: x\n"
+    )
     with pytest.raises(ValueError, match="unexpected chat template kwargs"):
-        nanobatch.chat_prompt(default_tokenizer, [{"role": "user", "content": "hi"}], chat_template_kwargs={"chat_template": "{{ 1 }}"})
+        nanobatch.chat_prompt(
+            default_tokenizer, [{"role": "user", "content": "hi"}], chat_template_kwargs={"chat_template": "{{ 1 }}"}
+        )
     assert SamplingParams(seed=-1).seed is None
 
 
@@ -2134,10 +3082,14 @@ def test_allowed_token_ids_and_bad_words(tiny_llm):
     output ends in the rest of it; a word is matched as it starts a text and after a space), validated up front."""
     encode = lambda text: tiny_llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    out = tiny_llm.generate([[5, 6]], dataclasses.replace(greedy, allowed_token_ids=[11, 12, 13]), use_tqdm=False)[0].outputs[0]
+    out = tiny_llm.generate([[5, 6]], dataclasses.replace(greedy, allowed_token_ids=[11, 12, 13]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert set(out.token_ids) <= {11, 12, 13}
     word = encode(" Paris")
-    forced = dataclasses.replace(greedy, logit_bias={t: 50.0 for t in word})  # the model would say " Paris" over and over
+    forced = dataclasses.replace(
+        greedy, logit_bias={t: 50.0 for t in word}
+    )  # the model would say " Paris" over and over
     assert word[0] in tiny_llm.generate([[5, 6]], forced, use_tqdm=False)[0].outputs[0].token_ids
     out = tiny_llm.generate([[5, 6]], dataclasses.replace(forced, bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]
     text = tiny_llm.tokenizer.decode(out.token_ids)
@@ -2159,21 +3111,35 @@ def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
     llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=40, num_kv_blocks=8, **CPU)
     eos = llm.tokenizer.eos_token_id
     assert llm.generate([], SamplingParams()) == []
-    a, b = llm.generate([[5, 6], [7, 8]], (SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)), use_tqdm=False)
+    a, b = llm.generate(
+        [[5, 6], [7, 8]],
+        (SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)),
+        use_tqdm=False,
+    )
     assert (len(a.outputs[0].token_ids), len(b.outputs[0].token_ids)) == (2, 3)
     out = llm.generate([[5] * 30], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (10, "length")
     forced = dict(temperature=0, logit_bias={eos: 100.0})
-    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop_token_ids=[eos], **forced), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop_token_ids=[eos], **forced), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
-    out = llm.generate([[5, 6]], SamplingParams(max_tokens=5, min_tokens=3, ignore_eos=True, **forced), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=5, min_tokens=3, ignore_eos=True, **forced), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos, eos]
     chat = [{"role": "user", "content": "hi"}]
     assert llm.chat_prompt(chat, chat_template_kwargs={"add_generation_prompt": False}) == llm.chat_prompt(chat)
     assert llm.chat_prompt(chat, add_generation_prompt=False) != llm.chat_prompt(chat)
-    robot = default_tokenizer.encode("🤖", add_special_tokens=False)  # bytes over 3 tokens: the first alone is a cut character
+    robot = default_tokenizer.encode(
+        "🤖", add_special_tokens=False
+    )  # bytes over 3 tokens: the first alone is a cut character
     for kind in ("cumulative", "final_only"):
-        out = llm.generate([[5, 6]], SamplingParams(max_tokens=1, temperature=0, logit_bias={robot[0]: 100.0}, output_kind=kind), use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            [[5, 6]],
+            SamplingParams(max_tokens=1, temperature=0, logit_bias={robot[0]: 100.0}, output_kind=kind),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert (out.token_ids, out.text) == (robot[:1], ""), kind
 
 
@@ -2190,13 +3156,25 @@ def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
     (sharded / "model.safetensors").unlink()
     model.save_pretrained(sharded, max_shard_size="300KB")
     assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
-    save_file({"layers.0.attention.wk.weight": torch.zeros(32, 64), "output.weight": torch.zeros(8, 64)}, sharded / "consolidated.safetensors")
+    save_file(
+        {"layers.0.attention.wk.weight": torch.zeros(32, 64), "output.weight": torch.zeros(8, 64)},
+        sharded / "consolidated.safetensors",
+    )
     for f in (sharded, single):
-        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)}, f / "adapter_model.safetensors")
+        save_file(
+            {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)},
+            f / "adapter_model.safetensors",
+        )
     prompt = list(range(100, 140))
     expected = hf_greedy(model, prompt, 8)
     for f in (sharded, single):
-        assert LLM(model=str(f), num_kv_blocks=16, **CPU).generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected, f.name
+        assert (
+            LLM(model=str(f), num_kv_blocks=16, **CPU)
+            .generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+            == expected
+        ), f.name
 
 
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tiny_models, tmp_path):
@@ -2209,18 +3187,29 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tiny_models, tmp
     shutil.copytree(tiny_models["llama-gqa-untied"][0], folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 50000}))
-    with pytest.raises(ValueError, match="does not match the sizes of its LlamaConfig: .*" + re.escape(f"model.embed_tokens.weight ({config['vocab_size']}, 64) (the config's (50000, 64))")):
+    with pytest.raises(
+        ValueError,
+        match="does not match the sizes of its LlamaConfig: .*"
+        + re.escape(f"model.embed_tokens.weight ({config['vocab_size']}, 64) (the config's (50000, 64))"),
+    ):
         LLM(model=str(folder), **CPU)
     (folder / "config.json").write_text(json.dumps(config))
     weights = load_file(folder / "model.safetensors")
     del weights["lm_head.weight"]
     save_file(weights, folder / "model.safetensors")
     assert config["tie_word_embeddings"] is False
-    with pytest.raises(ValueError, match="config.json says tie_word_embeddings false, but the checkpoint .* has no lm_head.weight"):
+    with pytest.raises(
+        ValueError, match="config.json says tie_word_embeddings false, but the checkpoint .* has no lm_head.weight"
+    ):
         LLM(model=str(folder), **CPU)
     del config["tie_word_embeddings"]
     (folder / "config.json").write_text(json.dumps(config))
-    assert LLM(model=str(folder), num_kv_blocks=8, **CPU).generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        LLM(model=str(folder), num_kv_blocks=8, **CPU)
+        .generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def test_unsupported_architecture(tmp_path):
@@ -2231,23 +3220,36 @@ def test_unsupported_architecture(tmp_path):
         LLM(model=str(tmp_path))
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
-    (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
-    (dict(architectures=["LlamaModel"]), "unsupported architecture 'LlamaModel' (model_type 'llama')"),
-    (dict(architectures=["LlamaForSequenceClassification"]), "unsupported architecture 'LlamaForSequenceClassification'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+        (dict(hidden_act="relu"), "unsupported hidden_act 'relu'"),
+        (dict(architectures=["LlamaModel"]), "unsupported architecture 'LlamaModel' (model_type 'llama')"),
+        (
+            dict(architectures=["LlamaForSequenceClassification"]),
+            "unsupported architecture 'LlamaForSequenceClassification'",
+        ),
+    ],
+)
 def test_a_config_nanobatch_would_run_wrongly_is_refused(tmp_path, change, message):
     """Refused from config.json alone, before any weights: a Llama whose activation or head nanobatch does not have."""
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **{"architectures": ["LlamaForCausalLM"], **change}).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        **{"architectures": ["LlamaForCausalLM"], **change},
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(model=str(tmp_path), **CPU)
 
 
 def test_max_model_len_above_the_model_limit(tiny_models, monkeypatch):
     """Rejected from the config alone: the tokenizer and weights never load."""
+
     def never(*args, **kwargs):
         raise AssertionError("loaded the weights before checking max_model_len")
 
@@ -2274,13 +3276,17 @@ if kernels.TRITON_INTERPRET:
 elif torch.cuda.is_available():
     DEVICE = "cuda"  # compiled kernels
 else:
-    raise RuntimeError("kernels.py was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment")
+    raise RuntimeError(
+        "kernels.py was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
+    )
 needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU with compiled (not interpreted) Triton")
 
 # |got - want| <= ATOL + RTOL * |want|, want in float64 from the same (rounded) inputs
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 GARBAGE_BLOCK_IDS = (-1, -(2**31), 2**31 - 1, 2**20)  # what padded block-table entries may hold
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @dataclass
@@ -2314,7 +3320,10 @@ def build(case, device=DEVICE):
     ks, vs, qs = [], [], []
     for s, L in enumerate(seq_lens):
         own, ids = ids[: blocks_per_seq[s]], ids[blocks_per_seq[s] :]
-        garbage = [GARBAGE_BLOCK_IDS[i] for i in torch.randint(0, len(GARBAGE_BLOCK_IDS), (max_blocks - len(own),), generator=g).tolist()]
+        garbage = [
+            GARBAGE_BLOCK_IDS[i]
+            for i in torch.randint(0, len(GARBAGE_BLOCK_IDS), (max_blocks - len(own),), generator=g).tolist()
+        ]
         block_tables[s] = torch.tensor(own + garbage, dtype=torch.int32)
         k = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)  # (L, Hkv, D)
         v = torch.randn(L, case.num_kv_heads, D, generator=g).to(case.dtype)
@@ -2331,7 +3340,9 @@ def build(case, device=DEVICE):
         q = wide[:, 1 : num_heads + 1]  # strided: token stride (H + 3) * D
     q_lens = [n for _, n in case.seqs]
     query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    meta = dict(block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=query_start_loc)
+    meta = dict(
+        block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=query_start_loc
+    )
     to_dev = lambda t: t.to(device)  # noqa: E731
     args = (to_dev(q), to_dev(k_cache), to_dev(v_cache), *(to_dev(t) for t in meta.values()), D**-0.5)
     return args, (ks, vs, qs)
@@ -2352,7 +3363,9 @@ def naive_attention(case, dense):
 
 
 def check_attention(impl, case):
-    args, dense = build(case, "cpu" if impl is kernels.paged_attention_cpu else DEVICE)  # the CPU path: CPU tensors, also on a GPU machine
+    args, dense = build(
+        case, "cpu" if impl is kernels.paged_attention_cpu else DEVICE
+    )  # the CPU path: CPU tensors, also on a GPU machine
     out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
     got = impl(*args, out=out)
     assert got is out
@@ -2361,7 +3374,11 @@ def check_attention(impl, case):
     torch.testing.assert_close(got.cpu().double(), naive_attention(case, dense), rtol=tol, atol=tol)
 
 
-IMPLS = pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu], ids=["triton", "ref", "cpu"])
+IMPLS = pytest.mark.parametrize(
+    "impl",
+    [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu],
+    ids=["triton", "ref", "cpu"],
+)
 
 
 @st.composite
@@ -2403,7 +3420,9 @@ def test_paged_attention_matches_naive(impl, case):
 )
 def test_paged_attention_decode_only(impl, seqs, block_size, dtype, seed):
     """A batch of only decodes takes the small-tile launch config."""
-    check_attention(impl, Case(seqs=seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=32, dtype=dtype, seed=seed))
+    check_attention(
+        impl, Case(seqs=seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=32, dtype=dtype, seed=seed)
+    )
 
 
 # the GQA shapes of real models: 9/3 (SmolLM-135M), 32/8 (Llama-3-8B), 14/2 (Qwen2-0.5B), and MHA
@@ -2420,7 +3439,15 @@ def test_paged_attention_empty_batch(impl):
     args, _ = build(Case([(3, 2)], 4, 1, 1, 16, torch.float32))
     q, k_cache, v_cache, _, _, _, scale = args
     empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    got = impl(q[:0], k_cache, v_cache, torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), empty, torch.zeros(1, dtype=torch.int32, device=DEVICE), scale)
+    got = impl(
+        q[:0],
+        k_cache,
+        v_cache,
+        torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+        empty,
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        scale,
+    )
     assert got.shape == (0, 1, 16)
 
 
@@ -2443,7 +3470,10 @@ def test_split_kv_decode_matches_naive(seqs, segments, block_size, kv_group_dim,
     cache slot; the merge must give naive attention."""
     num_kv_heads, group, head_dim = kv_group_dim
     case = Case(seqs, block_size, num_kv_heads, group, head_dim, dtype, seed=seed, temperature=4.0)
-    saved, kernels.MIN_SEGMENT_KEYS = kernels.MIN_SEGMENT_KEYS, min_keys  # (not monkeypatch: hypothesis reruns the body)
+    saved, kernels.MIN_SEGMENT_KEYS = (
+        kernels.MIN_SEGMENT_KEYS,
+        min_keys,
+    )  # (not monkeypatch: hypothesis reruns the body)
     try:
         check_attention(functools.partial(kernels.paged_attention_triton, segments=segments), case)
     finally:
@@ -2476,7 +3506,10 @@ def test_num_segments_from_shapes():
 
 def _every_tile(head_dim, group, dtype):
     """{phase: the distinct tiles tile_config gives it on any arch the engine supports}"""
-    return {phase: {kernels.tile_config(cc, dtype, head_dim, group, phase) for cc in kernels.SHARED_LIMIT} for phase in ("decode", "split", "prefill")}
+    return {
+        phase: {kernels.tile_config(cc, dtype, head_dim, group, phase) for cc in kernels.SHARED_LIMIT}
+        for phase in ("decode", "split", "prefill")
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -2486,7 +3519,13 @@ def test_paged_attention_with_every_arch_tiles(head_dim, dtype, monkeypatch):
     group = 4
     for phase, tiles in _every_tile(head_dim, group, dtype).items():
         for block_m, tile_n, num_warps in tiles:
-            assert block_m >= 16 and tile_n >= 16 and block_m & (block_m - 1) == 0 and tile_n & (tile_n - 1) == 0 and block_m % group == 0
+            assert (
+                block_m >= 16
+                and tile_n >= 16
+                and block_m & (block_m - 1) == 0
+                and tile_n & (tile_n - 1) == 0
+                and block_m % group == 0
+            )
             monkeypatch.setattr(kernels, "tile_config", lambda *a, t=(block_m, tile_n, num_warps): t)
             seqs = [(40, 6), (0, 1), (17, 20)] if phase == "prefill" else [(90, 1), (3, 1)]
             attention = functools.partial(kernels.paged_attention_triton, segments=4 if phase == "split" else 1)
@@ -2507,14 +3546,22 @@ def test_paged_attention_with_every_arch_tiles(head_dim, dtype, monkeypatch):
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     seed=st.integers(0, 2**31),
 )
-def test_store_kv_writes_exactly_its_slots(impl, num_tokens, num_kv_heads, head_dim, block_size, spare_blocks, dtype, seed):
+def test_store_kv_writes_exactly_its_slots(
+    impl, num_tokens, num_kv_heads, head_dim, block_size, spare_blocks, dtype, seed
+):
     g = torch.Generator().manual_seed(seed)
     num_blocks = math.ceil(num_tokens / block_size) + spare_blocks
-    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=g).to(dtype)  # k and v: strided views, like a fused qkv
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=g).to(
+        dtype
+    )  # k and v: strided views, like a fused qkv
     k, v = kv[:, 0], kv[:, 1]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]  # distinct slots: the engine never writes one twice
+    slots = torch.randperm(num_blocks * block_size, generator=g)[
+        :num_tokens
+    ]  # distinct slots: the engine never writes one twice
     slots[torch.rand(num_tokens, generator=g) < 0.25] = -1  # padding tokens: write nothing
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)  # (num_blocks, block_size, Hkv, D)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(
+        dtype
+    )  # (num_blocks, block_size, Hkv, D)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
@@ -2524,7 +3571,6 @@ def test_store_kv_writes_exactly_its_slots(impl, num_tokens, num_kv_heads, head_
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     impl(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
     assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
-
 
 
 # -- The layer's small ops: RMSNorm + residual, SiLU * up, q/k norm + rotary --
@@ -2538,26 +3584,38 @@ ULPS = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-
 
 
 def assert_rounding_close(got, want):
-    torch.testing.assert_close(got.float(), want.float(), rtol=ULPS[want.dtype], atol=ULPS[want.dtype] * want.float().abs().max().item())
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=ULPS[want.dtype], atol=ULPS[want.dtype] * want.float().abs().max().item()
+    )
 
 
 def assert_rounded_alike(got, want):
     """Equal bit for bit, but for the interpreter's bf16 (rounded toward zero) and fp32 on a GPU (whose compiler
     fuses a * b + c * d into a multiply-add, rounded once: in 16 bits each product is rounded first, so it cannot)."""
-    if (kernels.TRITON_INTERPRET and want.dtype == torch.bfloat16) or (not kernels.TRITON_INTERPRET and want.dtype == torch.float32):
+    if (kernels.TRITON_INTERPRET and want.dtype == torch.bfloat16) or (
+        not kernels.TRITON_INTERPRET and want.dtype == torch.float32
+    ):
         return assert_rounding_close(got, want)
     assert torch.equal(got, want)
 
 
 @PROPERTY
-@given(rows=st.integers(1, 40), dim=st.integers(1, 300), residual=st.booleans(), scale=st.sampled_from([0.01, 1.0, 30.0]),
-       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+@given(
+    rows=st.integers(1, 40),
+    dim=st.integers(1, 300),
+    residual=st.booleans(),
+    scale=st.sampled_from([0.01, 1.0, 30.0]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
 def test_rms_norm_triton_matches_the_reference(rows, dim, residual, scale, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x, r = ((torch.randn(rows, dim, generator=g) * scale).to(dtype) for _ in range(2))
     weight = torch.randn(dim, generator=g).to(dtype)
     if not residual:
-        assert_rounding_close(kernels.rms_norm_triton(x.to(DEVICE), weight.to(DEVICE), 1e-6).cpu(), kernels.rms_norm_ref(x, weight, 1e-6))
+        assert_rounding_close(
+            kernels.rms_norm_triton(x.to(DEVICE), weight.to(DEVICE), 1e-6).cpu(), kernels.rms_norm_ref(x, weight, 1e-6)
+        )
         return
     want, want_residual = kernels.rms_norm_ref(x, weight, 1e-6, r)
     stream = r.to(DEVICE)
@@ -2568,16 +3626,27 @@ def test_rms_norm_triton_matches_the_reference(rows, dim, residual, scale, dtype
 
 
 @PROPERTY
-@given(rows=st.integers(1, 40), width=st.integers(1, 1500), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       seed=st.integers(0, 2**31))
+@given(
+    rows=st.integers(1, 40),
+    width=st.integers(1, 1500),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
 def test_silu_and_mul_triton_matches_the_reference(rows, width, dtype, seed):
     gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(seed)) * 4).to(dtype)
     assert_rounding_close(kernels.silu_and_mul_triton(gate_up.to(DEVICE)).cpu(), kernels.silu_and_mul_ref(gate_up))
 
 
 @PROPERTY
-@given(tokens=st.integers(1, 24), kv_heads=st.integers(1, 3), group=st.integers(1, 3), half=st.sampled_from([1, 4, 20, 32, 64]),
-       qk_norm=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31))
+@given(
+    tokens=st.integers(1, 24),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    half=st.sampled_from([1, 4, 20, 32, 64]),
+    qk_norm=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
 def test_rotary_triton_matches_the_reference(tokens, kv_heads, group, half, qk_norm, dtype, seed):
     """q and k as the model has them, strided views of one qkv row per token, rotated in place; v untouched."""
     g = torch.Generator().manual_seed(seed)
@@ -2585,13 +3654,23 @@ def test_rotary_triton_matches_the_reference(tokens, kv_heads, group, half, qk_n
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     angles = torch.randint(0, 4096, (tokens, 1), generator=g) * torch.rand(1, half, generator=g)
     rope = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (tokens, head_dim) fp32, as Rotary's table rows
-    norms = (torch.randn(head_dim, generator=g).to(dtype), torch.randn(head_dim, generator=g).to(dtype), 1e-6) if qk_norm else ()
+    norms = (
+        (torch.randn(head_dim, generator=g).to(dtype), torch.randn(head_dim, generator=g).to(dtype), 1e-6)
+        if qk_norm
+        else ()
+    )
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    want_q, want_k = kernels.rotary_ref(q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), rope, *norms)
+    want_q, want_k = kernels.rotary_ref(
+        q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), rope, *norms
+    )
     got = qkv.to(DEVICE)
     gq, gk, gv = got.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    out_q, out_k = kernels.rotary_triton(gq.view(tokens, heads, head_dim), gk.view(tokens, kv_heads, head_dim), rope.to(DEVICE),
-                                         *[n.to(DEVICE) if torch.is_tensor(n) else n for n in norms])
+    out_q, out_k = kernels.rotary_triton(
+        gq.view(tokens, heads, head_dim),
+        gk.view(tokens, kv_heads, head_dim),
+        rope.to(DEVICE),
+        *[n.to(DEVICE) if torch.is_tensor(n) else n for n in norms],
+    )
     assert out_q.data_ptr() == gq.data_ptr() and torch.equal(gv.cpu(), v)  # in place; v untouched
     check = assert_rounding_close if qk_norm else assert_rounded_alike  # no sum of squares: rounded as the reference
     check(gq.reshape(tokens, heads, head_dim).cpu(), want_q)
@@ -2605,9 +3684,12 @@ def test_a_decode_step_launches_at_most_ten_kernels_a_layer():
 
     launches = bench.count_launches()
     assert launches["per_layer"] == 10 <= bench.LAUNCH_GOAL_PER_LAYER, launches["ops"]["layer"]
-    assert launches["ops"]["layer"]["linear"] == 4 * bench.TINY_QWEN3_SHAPE["num_hidden_layers"]  # merged qkv and gate_up
+    assert (
+        launches["ops"]["layer"]["linear"] == 4 * bench.TINY_QWEN3_SHAPE["num_hidden_layers"]
+    )  # merged qkv and gate_up
     assert launches["outside_layers"] <= 5 and not launches["host_syncs"], launches
     assert not kernels.USE_TRITON_ON_CPU and kernels.USE_CPU_LOOPS  # the switches are back
+
 
 def test_small_op_kernels_reject_what_they_cannot_do():
     x = torch.randn(3, 8)
@@ -2639,7 +3721,10 @@ BAD_ATTENTION = {  # what is wrong -> (the change, words the message must contai
     "head_dim differs": (dict(q=lambda a: a["q"][..., :8]), "do not fit"),
     "caches differ": (dict(v_cache=lambda a: a["v_cache"][:, :2]), "both caches"),
     "q float64": (dict(q=lambda a: a["q"].double()), "dtype"),
-    "cache dtype differs": (dict(k_cache=lambda a: a["k_cache"].half(), v_cache=lambda a: a["v_cache"].half()), "dtype"),
+    "cache dtype differs": (
+        dict(k_cache=lambda a: a["k_cache"].half(), v_cache=lambda a: a["v_cache"].half()),
+        "dtype",
+    ),
     "block_tables int64": (dict(block_tables=lambda a: a["block_tables"].long()), "block_tables must be int32"),
     "seq_lens int64": (dict(seq_lens=lambda a: a["seq_lens"].long()), "seq_lens must be int32"),
     "query_start_loc too short": (dict(query_start_loc=lambda a: a["query_start_loc"][:-1]), "disagree on num_seqs"),
@@ -2647,7 +3732,11 @@ BAD_ATTENTION = {  # what is wrong -> (the change, words the message must contai
 }
 
 
-@pytest.mark.parametrize("impl", [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu, kernels.paged_attention], ids=["triton", "ref", "cpu", "dispatch"])
+@pytest.mark.parametrize(
+    "impl",
+    [kernels.paged_attention_triton, kernels.paged_attention_ref, kernels.paged_attention_cpu, kernels.paged_attention],
+    ids=["triton", "ref", "cpu", "dispatch"],
+)
 @pytest.mark.parametrize("bad", BAD_ATTENTION, ids=list(BAD_ATTENTION))
 def test_paged_attention_rejects(impl, bad):
     change, words = BAD_ATTENTION[bad]
@@ -2658,7 +3747,11 @@ def test_paged_attention_rejects(impl, bad):
 def test_paged_attention_triton_rejects_what_only_it_cannot_do():
     wide = torch.zeros(4, 1, 512, device=DEVICE)
     cache = torch.zeros(2, 4, 1, 512, device=DEVICE)
-    meta = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32))
+    meta = (
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([4], dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+    )
     meta = [t.to(DEVICE) for t in meta]
     with pytest.raises(ValueError, match="head_dim 512"):
         kernels.paged_attention_triton(wide, cache, cache, *meta, 1.0)
@@ -2669,7 +3762,10 @@ def test_paged_attention_triton_rejects_what_only_it_cannot_do():
 
 def _store_args(**change):
     kwargs = dict(
-        k=torch.zeros(3, 2, 16), v=torch.zeros(3, 2, 16), k_cache=torch.zeros(4, 2, 2, 16), v_cache=torch.zeros(4, 2, 2, 16),
+        k=torch.zeros(3, 2, 16),
+        v=torch.zeros(3, 2, 16),
+        k_cache=torch.zeros(4, 2, 2, 16),
+        v_cache=torch.zeros(4, 2, 2, 16),
         slot_mapping=torch.tensor([0, 5, -1]),
     )
     kwargs.update({name: fn(kwargs) for name, fn in change.items()})
@@ -2678,14 +3774,22 @@ def _store_args(**change):
 
 BAD_STORE = {
     "k and v differ": (dict(v=lambda a: a["v"][:2]), "k and v must both be"),
-    "cache heads differ": (dict(k_cache=lambda a: a["k_cache"][:, :, :1], v_cache=lambda a: a["v_cache"][:, :, :1]), "caches must be"),
+    "cache heads differ": (
+        dict(k_cache=lambda a: a["k_cache"][:, :, :1], v_cache=lambda a: a["v_cache"][:, :, :1]),
+        "caches must be",
+    ),
     "slot_mapping int32": (dict(slot_mapping=lambda a: a["slot_mapping"].int()), "slot_mapping must be int64"),
     "slot_mapping short": (dict(slot_mapping=lambda a: a["slot_mapping"][:2]), "slot_mapping must be int64"),
-    "int cache": (dict(k_cache=lambda a: a["k_cache"].long(), v_cache=lambda a: a["v_cache"].long()), "float32, float16 or bfloat16"),
+    "int cache": (
+        dict(k_cache=lambda a: a["k_cache"].long(), v_cache=lambda a: a["v_cache"].long()),
+        "float32, float16 or bfloat16",
+    ),
 }
 
 
-@pytest.mark.parametrize("impl", [kernels.store_kv_triton, kernels.store_kv_ref, kernels.store_kv], ids=["triton", "ref", "dispatch"])
+@pytest.mark.parametrize(
+    "impl", [kernels.store_kv_triton, kernels.store_kv_ref, kernels.store_kv], ids=["triton", "ref", "dispatch"]
+)
 @pytest.mark.parametrize("bad", BAD_STORE, ids=list(BAD_STORE))
 def test_store_kv_rejects(impl, bad):
     change, words = BAD_STORE[bad]
@@ -2719,12 +3823,21 @@ def test_dispatch_with_cpu_switch_runs_triton_and_matches(monkeypatch):
 
 def _run_python(code, interpret, triton_on_cpu=False):
     """Run code in a fresh interpreter (kernels.py freshly imported) from this directory."""
-    env = {name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "NANOBATCH_TRITON_ON_CPU")}
+    env = {
+        name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "NANOBATCH_TRITON_ON_CPU")
+    }
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     if triton_on_cpu:
         env["NANOBATCH_TRITON_ON_CPU"] = "1"
-    return subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_without_triton_the_refs_work_and_triton_says_why():
@@ -2782,7 +3895,13 @@ def contiguous_blocks(args):
 
 
 @PROPERTY
-@given(case=cases(), group_keys=st.sampled_from([1, 16, 64, 4096]), contiguous=st.booleans(), plan_first=st.booleans(), loops=st.booleans())
+@given(
+    case=cases(),
+    group_keys=st.sampled_from([1, 16, 64, 4096]),
+    contiguous=st.booleans(),
+    plan_first=st.booleans(),
+    loops=st.booleans(),
+)
 def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group_keys, contiguous, plan_first, loops):
     """The CPU path's decode rows by compiled loops (bf16 and fp32 caches; fp16 takes the groups)
     or by torch groups (any group size, down to one sequence each), a plan made ahead (as the
@@ -2796,7 +3915,11 @@ def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "DECODE_GROUP_KEYS", group_keys)
         mp.setattr(kernels, "USE_CPU_LOOPS", loops)
-        plan = kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2], q.dtype) if plan_first else None
+        plan = (
+            kernels._plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[2], q.dtype)
+            if plan_first
+            else None
+        )
         for impl in (kernels.paged_attention_ref, functools.partial(kernels.paged_attention_cpu, plan=plan)):
             out = torch.full_like(q, float("nan"))
             impl(*args, out=out)
@@ -2811,18 +3934,41 @@ def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
     args, _ = build(case, "cpu")  # the CPU path, also on a GPU machine
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float16)
-    assert [type(g) for g in plan.decode] == [kernels.DecodeGroup] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
+    assert (
+        [type(g) for g in plan.decode] == [kernels.DecodeGroup]
+        and len(plan.decode[0].rows) == 2
+        and plan.prefill == [2]
+    )
     if kernels._decode_loops(torch.float32) is not None:  # numba installed
         plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32)
-        assert [type(g) for g in plan.decode] == [kernels.DecodeRows] and len(plan.decode[0].rows) == 2 and plan.prefill == [2]
-        half = (q.half(), k_cache.half(), v_cache.half(), *args[3:])  # a plan for the loops meets fp16 caches: made again
-        assert torch.equal(kernels.paged_attention_cpu(*half, plan=plan).nan_to_num(), kernels.paged_attention_cpu(*half).nan_to_num())
+        assert (
+            [type(g) for g in plan.decode] == [kernels.DecodeRows]
+            and len(plan.decode[0].rows) == 2
+            and plan.prefill == [2]
+        )
+        half = (
+            q.half(),
+            k_cache.half(),
+            v_cache.half(),
+            *args[3:],
+        )  # a plan for the loops meets fp16 caches: made again
+        assert torch.equal(
+            kernels.paged_attention_cpu(*half, plan=plan).nan_to_num(), kernels.paged_attention_cpu(*half).nan_to_num()
+        )
     with monkeypatch.context() as mp:  # numba not installed: the torch groups
         mp.setattr(kernels, "_compile_loops", lambda dtype: None)
-        assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
+        assert [
+            type(g)
+            for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode
+        ] == [kernels.DecodeGroup]
     monkeypatch.setattr(kernels, "USE_CPU_LOOPS", False)
-    assert [type(g) for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode] == [kernels.DecodeGroup]
-    assert kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None  # not a CPU: no plan
+    assert [
+        type(g)
+        for g in kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32).decode
+    ] == [kernels.DecodeGroup]
+    assert (
+        kernels.plan_paged_attention(block_tables.to("meta"), seq_lens, query_start_loc, 8, 2, torch.float32) is None
+    )  # not a CPU: no plan
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
     assert kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 8, 2, torch.float32) is None
 
@@ -2852,18 +3998,38 @@ def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size,
     loops = kernels._decode_loops(dtype)
     if loops is None:
         pytest.skip("numba is not installed")
-    case = Case([(40, 1), (7, 1), (0, 1), (65, 1), (31, 1), (16, 1)], block_size, num_kv_heads, group, head_dim, dtype, seed=11, temperature=4.0)
+    case = Case(
+        [(40, 1), (7, 1), (0, 1), (65, 1), (31, 1), (16, 1)],
+        block_size,
+        num_kv_heads,
+        group,
+        head_dim,
+        dtype,
+        seed=11,
+        temperature=4.0,
+    )
     args, _ = build(case, "cpu")
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     bits, shift = kernels.LOOP_DTYPES[dtype]
     outs = []
     for heads_per_job in [h for h in range(num_kv_heads, 0, -1) if num_kv_heads % h == 0]:
         out = torch.empty_like(q, dtype=torch.float32)
-        loops(q.float().numpy(), k_cache.view(bits).numpy(), v_cache.view(bits).numpy(), shift, heads_per_job,
-              block_tables.numpy(), seq_lens.numpy(), scale, out.numpy())
+        loops(
+            q.float().numpy(),
+            k_cache.view(bits).numpy(),
+            v_cache.view(bits).numpy(),
+            shift,
+            heads_per_job,
+            block_tables.numpy(),
+            seq_lens.numpy(),
+            scale,
+            out.numpy(),
+        )
         outs.append(out)
     assert all(torch.equal(outs[0], out) for out in outs[1:])
-    torch.testing.assert_close(outs[0].to(dtype), kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        outs[0].to(dtype), kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 4])
@@ -2873,21 +4039,29 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
     if kernels._decode_loops(torch.float32) is None:
         pytest.skip("numba is not installed")
     for num_seqs in (1, 2, 3, 4, 5):
-        args, _ = build(Case([(9 + 5 * i, 1) for i in range(num_seqs)], 4, 2, 2, 16, torch.float32, seed=num_seqs), "cpu")
+        args, _ = build(
+            Case([(9 + 5 * i, 1) for i in range(num_seqs)], 4, 2, 2, 16, torch.float32, seed=num_seqs), "cpu"
+        )
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
         with monkeypatch.context() as m:  # the plan sees num_threads; the loops then run on the threads there are
             m.setattr(kernels, "_loop_threads", lambda: num_threads)
             plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 4, 2, torch.float32)
         assert plan.decode[0].heads_per_job == (2 if num_seqs >= num_threads else 1)
-        torch.testing.assert_close(kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
-    """However many layers, Model.forward plans the CPU attention once a step and every layer uses that plan."""
+    """However many layers, the step plans the CPU attention once (pack_inputs) and every layer uses that plan."""
     calls, plans = [], []
     real_plan, real_attention = kernels._plan, kernels.paged_attention_cpu
     monkeypatch.setattr(kernels, "_plan", lambda *a: calls.append(real_plan(*a)) or calls[-1])
-    monkeypatch.setattr(kernels, "paged_attention_cpu", lambda *a, plan=None, **k: plans.append(plan) or real_attention(*a, plan=plan, **k))
+    monkeypatch.setattr(
+        kernels,
+        "paged_attention_cpu",
+        lambda *a, plan=None, **k: plans.append(plan) or real_attention(*a, plan=plan, **k),
+    )
     tiny_llm.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, **GREEDY), request_id="plan-1")
     tiny_llm.step()
     assert len(calls) == 1 and len(plans) == tiny_llm.model_config.num_layers > 1
@@ -2906,6 +4080,7 @@ def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
 # compiles a representative subset: the tightest shared memory (sm_75, sm_86/89),
 # fp32 (no tensor cores: the widest register tiles), head_dim 256, GQA 8, split.
 
+
 def triton_version_is(prefix):
     try:
         import triton
@@ -2921,10 +4096,16 @@ rows = [row for cc, dtype, head_dim, group, phase in json.loads(sys.argv[1]) for
 print(json.dumps(rows))
 """
 COMPILE_SUBSET = [
-    (90, "fp16", 128, 4, "prefill"), (90, "bf16", 64, 7, "decode"), (90, "fp32", 128, 1, "split"),  # the H100 at the engine's shapes
-    (86, "fp32", 128, 4, "prefill"), (89, "bf16", 128, 8, "prefill"), (86, "fp16", 256, 4, "prefill"),  # 101,376 B of shared memory
-    (80, "fp32", 128, 4, "decode"), (80, "bf16", 128, 8, "split"),
-    (75, "fp16", 256, 4, "split"), (75, "fp32", 128, 4, "decode"),  # the T4: 64 KB, no mma path in Triton
+    (90, "fp16", 128, 4, "prefill"),
+    (90, "bf16", 64, 7, "decode"),
+    (90, "fp32", 128, 1, "split"),  # the H100 at the engine's shapes
+    (86, "fp32", 128, 4, "prefill"),
+    (89, "bf16", 128, 8, "prefill"),
+    (86, "fp16", 256, 4, "prefill"),  # 101,376 B of shared memory
+    (80, "fp32", 128, 4, "decode"),
+    (80, "bf16", 128, 8, "split"),
+    (75, "fp16", 256, 4, "split"),
+    (75, "fp32", 128, 4, "decode"),  # the T4: 64 KB, no mma path in Triton
 ]
 
 
@@ -2934,7 +4115,10 @@ def _compile_static(configs):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-compiles = pytest.mark.skipif(DEVICE == "cuda" or not triton_version_is("3.9"), reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real")
+compiles = pytest.mark.skipif(
+    DEVICE == "cuda" or not triton_version_is("3.9"),
+    reason="uses Triton 3.9's compile API; on a GPU the CUDA tests compile for real",
+)
 
 
 @compiles
@@ -2951,7 +4135,9 @@ def test_kernels_compile_for_sm90():
 def test_kernels_fit_every_arch_without_spills():
     """A representative subset of `bench.py --kernels --static`: zero spill bytes, shared memory within each arch's limit."""
     rows = _compile_static(COMPILE_SUBSET)
-    assert len(rows) == len(COMPILE_SUBSET) + sum(c[-1] == "split" for c in COMPILE_SUBSET)  # split also compiles the merge
+    assert len(rows) == len(COMPILE_SUBSET) + sum(
+        c[-1] == "split" for c in COMPILE_SUBSET
+    )  # split also compiles the merge
     for r in rows:
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
         assert r["shared_bytes"] <= r["shared_limit"] == kernels.SHARED_LIMIT[int(r["arch"][3:])], r
@@ -2983,7 +4169,10 @@ def test_cuda_store_kv_large_slots():
     assert torch.equal(k_cache[-1, -1], k[0]) and torch.equal(v_cache[0, 3], -k[1])
 
 
-@pytest.mark.skipif(not kernels.TRITON_INTERPRET, reason="on a GPU the engine runs on Triton anyway: see test_cuda_engine_matches_hf_transformers")
+@pytest.mark.skipif(
+    not kernels.TRITON_INTERPRET,
+    reason="on a GPU the engine runs on Triton anyway: see test_cuda_engine_matches_hf_transformers",
+)
 def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypatch):
     """The whole engine through the Triton kernels (interpreted on CPU) gives the same greedy tokens."""
     llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=32, block_size=8, **CPU)
@@ -2992,7 +4181,9 @@ def test_engine_with_triton_kernels_matches_the_references(tiny_models, monkeypa
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     calls = []
     triton_attention = kernels.paged_attention_triton
-    monkeypatch.setattr(kernels, "paged_attention_triton", lambda *a, **kw: calls.append(1) or triton_attention(*a, **kw))
+    monkeypatch.setattr(
+        kernels, "paged_attention_triton", lambda *a, **kw: calls.append(1) or triton_attention(*a, **kw)
+    )
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls, "the Triton kernel was not used"
@@ -3028,7 +4219,11 @@ def test_cuda_bf16_logprobs_match_hf(tiny_models, family):
     hf16 = type(model)(model.config).to("cuda", torch.bfloat16).eval()
     hf16.load_state_dict(model.state_dict())
     with torch.no_grad():
-        hf_bf16 = torch.log_softmax(hf16(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)[rows, targets].double().cpu()
+        hf_bf16 = (
+            torch.log_softmax(hf16(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)[rows, targets]
+            .double()
+            .cpu()
+        )
     ours, theirs = (got - want).abs().max().item(), (hf_bf16 - want).abs().max().item()
     assert ours <= 2 * theirs + 0.05, f"{family}: engine bf16 off by {ours:.3f} nats, HF bf16 by {theirs:.3f}"
 
@@ -3039,7 +4234,9 @@ def test_profile_run_steps_through_the_largest_batches_on_a_one_block_cache(tiny
     in chunks no longer than max_model_len, each at the end of a max_model_len context, max_num_seqs
     rows sampled, and with CUDA graphs also a decode of max_num_seqs rows; every dummy step over a
     one-block cache that it never writes."""
-    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=16, max_num_batched_tokens=2500, max_num_seqs=40, **CPU)
+    llm = LLM(
+        model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=16, max_num_batched_tokens=2500, max_num_seqs=40, **CPU
+    )
     for name in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
     allocated = iter(range(0, 1000, 10))
@@ -3048,18 +4245,27 @@ def test_profile_run_steps_through_the_largest_batches_on_a_one_block_cache(tiny
     monkeypatch.setattr(nanobatch, "graphs_wanted", lambda llm: graphs)
     monkeypatch.setattr(nanobatch, "capture_stream", lambda device: None)  # torch.cuda.stream(None) does nothing
     steps, forward = [], llm.model.forward
+
     def spy(input_ids, positions, kv_caches, meta):
         assert all(k.shape[0] == 1 and not k.any() for k, v in kv_caches) and (meta.slot_mapping == -1).all()
         q_lens = meta.query_start_loc.diff().tolist()
-        assert positions.tolist() == [p for n, L in zip(q_lens, meta.seq_lens.tolist()) for p in range(L - n, L)]  # each chunk ends its context
+        assert positions.tolist() == [
+            p for n, L in zip(q_lens, meta.seq_lens.tolist()) for p in range(L - n, L)
+        ]  # each chunk ends its context
         steps.append((q_lens, meta.seq_lens.tolist(), meta.logits_indices.tolist(), meta.block_tables.shape[1]))
         out = forward(input_ids, positions, kv_caches, meta)
         assert out.isfinite().all()
         return out
+
     monkeypatch.setattr(llm.model, "forward", spy)
     peak = nanobatch.profile_run(llm)
     width = -(-1024 // 16)  # the tiny models' max_model_len, in blocks
-    assert steps[0] == ([1024, 1024, 452], [1024] * 3, list(range(40)), width)  # chunks of up to max_model_len, each at its end
+    assert steps[0] == (
+        [1024, 1024, 452],
+        [1024] * 3,
+        list(range(40)),
+        width,
+    )  # chunks of up to max_model_len, each at its end
     if graphs:
         assert steps[1] == ([1] * 40, [1] * 40, list(range(40)), width) and len(steps) == 2
         assert peak == 1000 - 0 + 1000 - 10 + 40 * llm.model_config.vocab_size * 4
@@ -3080,7 +4286,9 @@ def test_cuda_kv_pool_is_sized_from_gpu_memory_utilization(tiny_models):
     pool_bytes = llm.kv_pool.numel() * llm.kv_pool.element_size()
     assert 0.6 * 0.05 * total <= pool_bytes <= 0.05 * total, (pool_bytes, total)
     rng = random.Random(0)
-    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in [1000] + [300] * 63]  # (max_model_len 1024) steps of the full 2048-token budget
+    prompts = [
+        [rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in [1000] + [300] * 63
+    ]  # (max_model_len 1024) steps of the full 2048-token budget
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=5, **GREEDY), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     free_after, _ = torch.cuda.mem_get_info()
@@ -3103,25 +4311,44 @@ def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
     cuda = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
     rng = random.Random(0)
     system = [rng.randrange(1000, 9000) for _ in range(70)]
-    prompts = [system + [rng.randrange(1000, 9000) for _ in range(n)] for n in (3, 20, 41, 90)] + [system[:33], list(range(5, 205))]
+    prompts = [system + [rng.randrange(1000, 9000) for _ in range(n)] for n in (3, 20, 41, 90)] + [
+        system[:33],
+        list(range(5, 205)),
+    ]
     greedy = SamplingParams(max_tokens=20, **GREEDY)
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, greedy, use_tqdm=False)]
     for _ in range(2):  # the second time, every prompt's full blocks come from the prefix cache
         outputs = cuda.generate(prompts, greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want
     assert sum(o.num_cached_tokens for o in outputs) >= 4 * 64
-    small = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=15, block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
+    small = LLM(
+        model=folder,
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=15,
+        block_size=16,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
     assert [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)] == want
     assert small.stats.num_preemptions > 0, "the pool was meant to be too small"
     sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=2, ignore_eos=True)
     first, again = (cuda.generate(prompts[:2], sampled, use_tqdm=False) for _ in range(2))
     for a, b in zip(first, again):  # seeded: the same samples twice, each of its full length
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs] and all(len(c.token_ids) == 12 for c in a.outputs)
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs] and all(
+            len(c.token_ids) == 12 for c in a.outputs
+        )
     beams = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
     got, expected = (llm.beam_search(prompts[:3], beams) for llm in (cuda, cpu))
     assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in expected]
-    constraints = [constrained(regex="[0-9]{3}-[a-z]{2}"), constrained(choice=["red", "green", "blue"]), constrained(json=SCHEMAS[2][1], max_tokens=60)]
-    got, expected = ([o.outputs[0] for o in llm.generate(prompts[:3], constraints, use_tqdm=False)] for llm in (cuda, cpu))
+    constraints = [
+        constrained(regex="[0-9]{3}-[a-z]{2}"),
+        constrained(choice=["red", "green", "blue"]),
+        constrained(json=SCHEMAS[2][1], max_tokens=60),
+    ]
+    got, expected = (
+        [o.outputs[0] for o in llm.generate(prompts[:3], constraints, use_tqdm=False)] for llm in (cuda, cpu)
+    )
     assert [c.text for c in got] == [c.text for c in expected]
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", got[0].text) and got[1].text in ("red", "green", "blue")
     for llm in (cpu, cuda, small):
@@ -3133,9 +4360,16 @@ def check_graphs_equal_eager(llm):
     batch sizes on and between the buckets, prompts that end mid-block and on a block's edge, a
     preemption-free pool, a beam group and n > 1 forks (their decode steps replay too)."""
     rng = random.Random(1)
-    prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (5, 16, 17, 40, 3, 64, 9, 100, 33, 2, 70, 12, 48, 7, 31, 80, 20)]
-    params = [SamplingParams(max_tokens=6 + 2 * i, logprobs=2, **GREEDY) for i in range(len(prompts))]  # the batch shrinks step by step
-    params[3] = SamplingParams(n=2, max_tokens=12, logprobs=2, **GREEDY)  # forks: two samples on the prompt's shared blocks
+    prompts = [
+        [rng.randrange(100, 5000) for _ in range(n)]
+        for n in (5, 16, 17, 40, 3, 64, 9, 100, 33, 2, 70, 12, 48, 7, 31, 80, 20)
+    ]
+    params = [
+        SamplingParams(max_tokens=6 + 2 * i, logprobs=2, **GREEDY) for i in range(len(prompts))
+    ]  # the batch shrinks step by step
+    params[3] = SamplingParams(
+        n=2, max_tokens=12, logprobs=2, **GREEDY
+    )  # forks: two samples on the prompt's shared blocks
     with_graphs = llm.generate(prompts, params, use_tqdm=False)
     llm.reset_prefix_cache()  # the eager run prefills as the first did
     graphs, llm.cuda_graphs = llm.cuda_graphs, None
@@ -3160,14 +4394,18 @@ def check_graphs_equal_eager(llm):
                 la, lb = a.logprobs[i], b.logprobs[i]
                 if x != y:
                     assert not exact and x in lb and y in la, (i, x, y, la, lb)
-                    assert la[x].logprob == pytest.approx(la[y].logprob, abs=tol) and lb[x].logprob == pytest.approx(lb[y].logprob, abs=tol)
+                    assert la[x].logprob == pytest.approx(la[y].logprob, abs=tol) and lb[x].logprob == pytest.approx(
+                        lb[y].logprob, abs=tol
+                    )
                     break
                 assert la[x].logprob == pytest.approx(lb[x].logprob, abs=tol)
                 assert not exact or la.keys() == lb.keys()
     llm.reset_prefix_cache()
     beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
     if exact:
-        assert [[s.tokens for s in o.sequences] for o in beams] == [[s.tokens for s in o.sequences] for o in eager_beams]
+        assert [[s.tokens for s in o.sequences] for o in beams] == [
+            [s.tokens for s in o.sequences] for o in eager_beams
+        ]
     for g, e in zip(beams, eager_beams):  # bf16: a near tie may swap beams, but the best scores stay close
         assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in e.sequences], abs=tol * 8)
     assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
@@ -3188,13 +4426,19 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
     copies do is checked against the eager engine (on a GPU, test_cuda_graphs_equal_eager)."""
     llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=128, block_size=8, max_num_seqs=12, **CPU)
     assert llm.cuda_graphs is None  # no graphs on a CPU
-    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run()))
+    monkeypatch.setattr(
+        nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run())
+    )
     llm.cuda_graphs = nanobatch.capture_cuda_graphs(llm, force=True)
     assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 12]
     replayed = []
     for b, (graph, static, logits) in llm.cuda_graphs.items():
-        model_call = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"])
-        graph.replay = lambda b=b, model_call=model_call, logits=logits: replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+        model_call = functools.partial(
+            llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"]
+        )
+        graph.replay = lambda b=b, model_call=model_call, logits=logits: (
+            replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+        )
     check_graphs_equal_eager(llm)
     assert {1, 2, 4, 8, 12} <= set(replayed), "decode steps of every bucket replayed"
 
@@ -3206,12 +4450,18 @@ def test_graph_replay_with_triton_and_split_kv_on_a_cpu(tiny_models, monkeypatch
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", True)
     monkeypatch.setattr(kernels, "_device_facts", lambda device: (90, 132))
     llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=48, block_size=8, max_num_seqs=3, **CPU)
-    monkeypatch.setattr(nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run()))
+    monkeypatch.setattr(
+        nanobatch, "capture_graph", lambda run, pool, stream: (types.SimpleNamespace(pool=lambda: None), run())
+    )
     llm.cuda_graphs = nanobatch.capture_cuda_graphs(llm, force=True)
     replayed, splits = [], []
     for b, (graph, static, logits) in llm.cuda_graphs.items():
-        model_call = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"])
-        graph.replay = lambda b=b, model_call=model_call, logits=logits: replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+        model_call = functools.partial(
+            llm.model, static["input_ids"], static["positions"], llm.layer_caches, static["meta"]
+        )
+        graph.replay = lambda b=b, model_call=model_call, logits=logits: (
+            replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
+        )
     num_segments = kernels.num_segments
     monkeypatch.setattr(kernels, "num_segments", lambda *a, **kw: (n := num_segments(*a, **kw), splits.append(n))[0])
     prompts = [list(range(10, 15)), list(range(200, 209)), list(range(500, 520))]  # small: the interpreter is slow
@@ -3223,13 +4473,18 @@ def test_graph_replay_with_triton_and_split_kv_on_a_cpu(tiny_models, monkeypatch
     for g, e in zip(with_graphs, llm.generate(prompts, params, use_tqdm=False)):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         for got, want in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
-            assert {t: p.logprob for t, p in got.items()} == pytest.approx({t: p.logprob for t, p in want.items()}, abs=1e-4)
+            assert {t: p.logprob for t, p in got.items()} == pytest.approx(
+                {t: p.logprob for t, p in want.items()}, abs=1e-4
+            )
+
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen3-qk-norm"])
 def test_cuda_graphs_equal_eager(tiny_models, family, dtype):
-    llm = LLM(model=tiny_models[family][0], device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, max_num_seqs=20)
+    llm = LLM(
+        model=tiny_models[family][0], device="cuda", dtype=dtype, num_kv_blocks=256, block_size=16, max_num_seqs=20
+    )
     assert sorted(llm.cuda_graphs) == [1, 2, 4, 8, 16, 20] and llm.stats.graph_capture_seconds > 0
     replayed = []
     for b, (graph, _, _) in llm.cuda_graphs.items():
@@ -3246,7 +4501,13 @@ def test_cuda_graphs_equal_eager(tiny_models, family, dtype):
 
 SEED_REQUESTS = [  # vLLM's /generate demo requests, as in the seeds
     {"prompt": "The capital of France is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
-    {"prompt": "The largest planet in our solar system is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
+    {
+        "prompt": "The largest planet in our solar system is",
+        "n": 1,
+        "use_beam_search": False,
+        "temperature": 0.7,
+        "max_tokens": 10,
+    },
     {"prompt": "To be or not to be, that is", "n": 1, "use_beam_search": False, "temperature": 0.7, "max_tokens": 10},
 ]
 GREEDY_JSON = {"temperature": 0, "ignore_eos": True}
@@ -3260,8 +4521,16 @@ def server_model_dir(tmp_path_factory, default_tokenizer):
     path = tmp_path_factory.mktemp("tiny_llama_server")
     default_tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -3273,13 +4542,22 @@ def server(server_model_dir):
     srv.test_url = url
     yield srv
     srv.stop()
-    assert llm.allocator.num_free_blocks == llm.allocator.num_blocks  # stopped: the engine thread is gone, reading is safe
+    assert (
+        llm.allocator.num_free_blocks == llm.allocator.num_blocks
+    )  # stopped: the engine thread is gone, reading is safe
 
 
 def engine_state(server):
     def read(llm):
-        return {"free": llm.allocator.num_free_blocks, "total": llm.allocator.num_blocks, "busy": llm.has_unfinished_requests(),
-                "output_tokens": llm.stats.num_output_tokens, "steps": llm.stats.num_steps, "peak": llm.stats.peak_blocks_in_use}
+        return {
+            "free": llm.allocator.num_free_blocks,
+            "total": llm.allocator.num_blocks,
+            "busy": llm.has_unfinished_requests(),
+            "output_tokens": llm.stats.num_output_tokens,
+            "steps": llm.stats.num_steps,
+            "peak": llm.stats.peak_blocks_in_use,
+        }
+
     return server.engine.call(read)
 
 
@@ -3327,7 +4605,7 @@ def stream(server, path, body):
 def sse_events(lines):
     assert all(line.startswith("data: ") for line in lines), lines
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def test_health_and_models(server):
@@ -3352,7 +4630,7 @@ def test_tokenize_detokenize_version(server):
     assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": text})
     chat = post(server, "/tokenize", {"messages": CHAT})[1]
     assert chat["count"] > 2
-    assert post(server, "/detokenize", {"tokens": [10 ** 9]})[0] == 400
+    assert post(server, "/detokenize", {"tokens": [10**9]})[0] == 400
     assert post(server, "/tokenize", {"model": "nope", "prompt": "hi"})[0] == 404
     status, version = request(server, "GET", "/version")
     assert status == 200 and version["version"] == VERSION
@@ -3362,8 +4640,19 @@ def test_tokenize_detokenize_version(server):
 
 
 def test_generate_n_samples_and_logprobs(server):
-    status, body = post(server, "/generate", {"prompt": "Hello, my name is", "n": 3, "temperature": 1.0, "seed": 1,
-                                               "max_tokens": 5, "ignore_eos": True, "logprobs": 2})
+    status, body = post(
+        server,
+        "/generate",
+        {
+            "prompt": "Hello, my name is",
+            "n": 3,
+            "temperature": 1.0,
+            "seed": 1,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "logprobs": 2,
+        },
+    )
     assert status == 200 and len(body["text"]) == 3 and len(body["logprobs"]) == 3
     for tokens in body["logprobs"]:
         assert len(tokens) == 5
@@ -3377,9 +4666,23 @@ def test_server_beam_search(server, server_model_dir):
     llm = LLM(model=server_model_dir, num_kv_blocks=64, block_size=16, **CPU)
     prompt = "The capital of France is"
     best = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
-    status, answer = post(server, "/generate", {"prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True})
+    status, answer = post(
+        server, "/generate", {"prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True}
+    )
     assert status == 200 and answer["text"] == [prompt + s.text for s in best]
-    status, answer = post(server, "/v1/completions", {"model": server.model_name, "prompt": prompt, "n": 3, "use_beam_search": True, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+    status, answer = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server.model_name,
+            "prompt": prompt,
+            "n": 3,
+            "use_beam_search": True,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
     assert status == 200 and [c["text"] for c in answer["choices"]] == [s.text for s in best]
     assert answer["usage"]["completion_tokens"] == 18
     status, answer = post(server, "/generate", {"prompt": prompt, "n": 2, "use_beam_search": True, "top_p": 0.5})
@@ -3394,7 +4697,16 @@ def test_server_beam_search_refuses_a_field_by_what_it_asks(server):
     for field in ["logprobs", "prompt_logprobs", "seed"]:
         status, answer = post(server, "/generate", {**beams, field: 0})
         assert status == 400 and answer["error"]["message"] == f"use_beam_search does not take {field}", answer
-    defaults = {"top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0, "stop": [], "logit_bias": {}, "min_tokens": 0}
+    defaults = {
+        "top_p": 1,
+        "top_k": -1,
+        "min_p": 0,
+        "repetition_penalty": 1,
+        "presence_penalty": 0,
+        "stop": [],
+        "logit_bias": {},
+        "min_tokens": 0,
+    }
     status, answer = post(server, "/generate", {**beams, **defaults})
     assert status == 200 and len(answer["text"]) == 2 and "logprobs" not in answer
     status, answer = post(server, "/v1/completions", {**beams, "echo": True})
@@ -3411,20 +4723,39 @@ def test_openai_client(server):
     model = client.models.list().data[0].id
     extra = {"extra_body": {"ignore_eos": True}}
 
-    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, **extra)
+    completion = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, **extra
+    )
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 6
     assert len(completion.choices[0].logprobs.tokens) == 6
-    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True, **extra))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True, **extra
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == completion.choices[0].text
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, **extra)
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=1, **extra
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
     assert len(chat.choices[0].logprobs.content) == 6
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}, **extra))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # include_usage: a last chunk with no choices
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    )  # include_usage: a last chunk with no choices
 
 
 def openai_client(url):
@@ -3446,19 +4777,28 @@ def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # (len, vocab)
         expected = [logp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
 
-        scored = client.completions.create(model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0)
+        scored = client.completions.create(
+            model="smollm2", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0
+        )
         [choice] = scored.choices
         lp = choice.logprobs
-        assert choice.text == text and scored.usage.completion_tokens == 1 and scored.usage.prompt_tokens == len(ids)  # vLLM counts the dropped token
+        assert (
+            choice.text == text and scored.usage.completion_tokens == 1 and scored.usage.prompt_tokens == len(ids)
+        )  # vLLM counts the dropped token
         assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-4
         assert all(abs(max(top.values()) - logp[i].max().item()) < 1e-4 for i, top in enumerate(lp.top_logprobs[1:]))
         assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
 
-        one = client.completions.create(model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0).choices[0]
+        one = client.completions.create(
+            model="smollm2", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+        ).choices[0]
         next_id = int(logp[-1].argmax())
         assert len(one.logprobs.tokens) == len(ids) + 1 and one.text.startswith(text)
-        assert max(abs(a - b) for a, b in zip(one.logprobs.token_logprobs[1:], expected + [logp[-1, next_id].item()])) < 1e-4
+        assert (
+            max(abs(a - b) for a, b in zip(one.logprobs.token_logprobs[1:], expected + [logp[-1, next_id].item()]))
+            < 1e-4
+        )
     finally:
         srv.stop()
 
@@ -3466,21 +4806,35 @@ def test_echo_logprobs_equal_hf_log_softmax(folder_llm, default_hf):
 def test_batched_prompts_via_openai_client(server):
     client = openai_client(server.test_url)
     prompts = ["The capital of France is", "One plus one is", "My favourite colour is"]
-    singles = [client.completions.create(model=server.model_name, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts]
+    singles = [
+        client.completions.create(model=server.model_name, prompt=p, max_tokens=5, temperature=0).choices[0].text
+        for p in prompts
+    ]
     batch = client.completions.create(model=server.model_name, prompt=prompts, n=2, max_tokens=5, temperature=0)
     assert [c.index for c in batch.choices] == list(range(6))
     assert [c.text for c in batch.choices] == [s for s in singles for _ in range(2)]  # choices[i * n + j]
     assert batch.usage.completion_tokens == 6 * 5
     token_ids = post(server, "/tokenize", {"prompt": prompts[1]})[1]["tokens"]
-    batch = client.completions.create(model=server.model_name, prompt=[token_ids, token_ids], max_tokens=5, temperature=0)
+    batch = client.completions.create(
+        model=server.model_name, prompt=[token_ids, token_ids], max_tokens=5, temperature=0
+    )
     assert [c.text for c in batch.choices] == [singles[1]] * 2
-    streamed = list(client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True))
-    texts = ["".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i) for i in range(3)]
+    streamed = list(
+        client.completions.create(model=server.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True)
+    )
+    texts = [
+        "".join(chunk.choices[0].text for chunk in streamed if chunk.choices and chunk.choices[0].index == i)
+        for i in range(3)
+    ]
     assert texts == singles
-    status, body = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})  # vLLM's extra field
+    status, body = post(
+        server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2}
+    )  # vLLM's extra field
     for choice in body["choices"]:
         entries = choice["prompt_logprobs"]
-        assert entries[0] is None and all(2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
+        assert entries[0] is None and all(
+            2 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:]
+        )
     assert sum(len(c["prompt_logprobs"]) for c in body["choices"]) == body["usage"]["prompt_tokens"]
 
 
@@ -3498,8 +4852,12 @@ def test_wrong_model_gets_404(server_model_dir):
             client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert client.completions.create(model="my-model", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         status, answer = post(at_url(url), "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
-        assert status == 404 and answer["error"] == {"message": "The model `gpt-4` does not exist. Valid aliases: my-model.",
-                                                     "type": "NotFoundError", "param": "model", "code": 404}  # vLLM's fields
+        assert status == 404 and answer["error"] == {
+            "message": "The model `gpt-4` does not exist. Valid aliases: my-model.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }  # vLLM's fields
     finally:
         srv.stop()
 
@@ -3512,13 +4870,25 @@ def test_served_model_name_is_the_model_argument(server, server_model_dir):
 def test_what_vllm_accepts_is_accepted(server):
     """Recorded against vLLM 0.32: numeric strings for numbers and best_of get a 200; echo + logprobs
     also returns prompt_logprobs; a field error names the field in `param`."""
-    status, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "3", "temperature": "0", "best_of": 1, "ignore_eos": True})
+    status, body = post(
+        server,
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": "3", "temperature": "0", "best_of": 1, "ignore_eos": True},
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 3
-    status, body = post(server, "/v1/completions", {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 0})
+    status, body = post(
+        server, "/v1/completions", {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 0}
+    )
     [choice] = body["choices"]
-    assert status == 200 and len(choice["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and choice["prompt_logprobs"][0] is None
+    assert (
+        status == 200
+        and len(choice["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+        and choice["prompt_logprobs"][0] is None
+    )
     status, answer = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "ten"})
-    assert status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"  # vLLM's (FastAPI's) validation error
+    assert (
+        status == 400 and answer["error"]["param"] == "body.max_tokens" and answer["error"]["type"] == "Bad Request"
+    )  # vLLM's (FastAPI's) validation error
 
 
 def test_max_tokens_null_runs_up_to_the_context(server):
@@ -3526,13 +4896,20 @@ def test_max_tokens_null_runs_up_to_the_context(server):
     completions, absent or null, it is 16 (vLLM 0.32's CompletionRequest)."""
     ids = [1000] * 490  # 22 tokens of room under max_model_len 512
     assert post(server, "/v1/completions", {"prompt": ids, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
-    assert post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})[1]["usage"]["completion_tokens"] == 16
+    assert (
+        post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, **GREEDY_JSON})[1]["usage"][
+            "completion_tokens"
+        ]
+        == 16
+    )
     text = post(server, "/detokenize", {"tokens": ids})[1]["prompt"]
     assert post(server, "/tokenize", {"prompt": text})[1]["count"] == 490
     before = engine_state(server)["output_tokens"]
     assert post(server, "/generate", {"prompt": text, "max_tokens": None, **GREEDY_JSON})[0] == 200
     assert engine_state(server)["output_tokens"] - before == 22
-    status, answer = post(server, "/generate", {"prompt": text, "max_tokens": None, "use_beam_search": True, "n": 2})  # beams take a number
+    status, answer = post(
+        server, "/generate", {"prompt": text, "max_tokens": None, "use_beam_search": True, "n": 2}
+    )  # beams take a number
     assert status == 400 and "use_beam_search needs max_tokens as a number" in answer["error"]["message"]
 
 
@@ -3550,12 +4927,19 @@ def test_completions_and_chat_take_what_a_request_leaves_out_from_the_generation
         assert (srv.sampling_defaults, srv.default_max_tokens) == ({"temperature": 0.0, "top_p": 0.5}, 5)
         prompt = {"prompt": [5, 6, 7], "ignore_eos": True}
         greedy = post(srv, "/v1/completions", {**prompt, "temperature": 0.0, "max_tokens": 16})[1]["choices"][0]["text"]
-        status, answer = post(srv, "/v1/completions", prompt)  # the config's temperature 0: greedy; max_tokens 16, a completion's default
+        status, answer = post(
+            srv, "/v1/completions", prompt
+        )  # the config's temperature 0: greedy; max_tokens 16, a completion's default
         assert status == 200 and answer["choices"][0]["text"] == greedy and answer["usage"]["completion_tokens"] == 16
         chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
         assert post(srv, "/v1/chat/completions", chat)[1]["usage"]["completion_tokens"] == 5  # max_new_tokens
         assert post(srv, "/v1/chat/completions", {**chat, "max_tokens": 7})[1]["usage"]["completion_tokens"] == 7
-        texts = {post(srv, "/v1/completions", {**prompt, "temperature": 1.0, "top_p": 1.0, "seed": s})[1]["choices"][0]["text"] for s in range(4)}
+        texts = {
+            post(srv, "/v1/completions", {**prompt, "temperature": 1.0, "top_p": 1.0, "seed": s})[1]["choices"][0][
+                "text"
+            ]
+            for s in range(4)
+        }
         assert len(texts) > 1  # sent, temperature 1 samples: the config's 0 does not override it
         before = engine_state(srv)["output_tokens"]
         assert post(srv, "/generate", {"prompt": "hi", "ignore_eos": True})[0] == 200
@@ -3576,7 +4960,11 @@ REJECTED = [  # (endpoint, field, value): changes the output, not implemented ->
     ("completions", "return_token_ids", True),
     ("chat", "add_special_tokens", True),
     ("chat", "echo", True),
-    ("chat", "chat_template", "{{ messages[0]['content'] }}"),  # a client's own Jinja: vLLM's needs --trust-request-chat-template
+    (
+        "chat",
+        "chat_template",
+        "{{ messages[0]['content'] }}",
+    ),  # a client's own Jinja: vLLM's needs --trust-request-chat-template
     ("completions", "priority", 1),
     ("completions", "spaces_between_special_tokens", False),
 ]
@@ -3587,17 +4975,30 @@ def test_chat_template_options_reach_the_template(server):
     has its default), add_generation_prompt, continue_final_message, on chat completions and /tokenize alike."""
     messages = [*CHAT, {"role": "assistant", "content": "The capital"}]
     count = lambda **options: post(server, "/tokenize", {"messages": messages, **options})[1]["count"]  # noqa: E731
-    plain, no_prompt, go_on = count(), count(add_generation_prompt=False), count(add_generation_prompt=False, continue_final_message=True)
+    plain, no_prompt, go_on = (
+        count(),
+        count(add_generation_prompt=False),
+        count(add_generation_prompt=False, continue_final_message=True),
+    )
     assert plain > no_prompt > go_on  # the generation prompt, then the end of the last message, left out
-    assert count(chat_template_kwargs={"add_generation_prompt": False}) == plain  # vLLM's merge_kwargs: add_generation_prompt's true wins
+    assert (
+        count(chat_template_kwargs={"add_generation_prompt": False}) == plain
+    )  # vLLM's merge_kwargs: add_generation_prompt's true wins
     for options, tokens in (({}, plain), ({"add_generation_prompt": False, "continue_final_message": True}, go_on)):
         status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **options})
         assert status == 200 and body["usage"]["prompt_tokens"] == tokens
-    status, body = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "continue_final_message": True})  # transformers refuses both
+    status, body = post(
+        server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "continue_final_message": True}
+    )  # transformers refuses both
     assert status == 400 and "the chat template rejected the messages" in body["error"]["message"]
     assert post(server, "/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"})[0] == 400
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]  # joined as vLLM's: by newlines
-    assert post(server, "/tokenize", {"messages": parts})[1]["tokens"] == post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi\nthere"}]})[1]["tokens"]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}
+    ]  # joined as vLLM's: by newlines
+    assert (
+        post(server, "/tokenize", {"messages": parts})[1]["tokens"]
+        == post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi\nthere"}]})[1]["tokens"]
+    )
 
 
 def test_requests_read_as_vllm_032_reads_them(server):
@@ -3609,16 +5010,27 @@ def test_requests_read_as_vllm_032_reads_them(server):
     prompt = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
     assert post(server, "/v1/completions", {**prompt, "echo": "false", "ignore_eos": 1, "stream": "false"})[0] == 200
     assert post(server, "/v1/completions", {**prompt, "model": ""})[0] == 200
-    assert post(server, "/v1/completions", {**prompt, "allowed_token_ids": ["11", 12], "bad_words": ["Paris"]})[0] == 200  # vLLM's extras, served
+    assert (
+        post(server, "/v1/completions", {**prompt, "allowed_token_ids": ["11", 12], "bad_words": ["Paris"]})[0] == 200
+    )  # vLLM's extras, served
     assert post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "top_logprobs": 0})[0] == 200
     for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", {"messages": CHAT})):
         status, answer = post(server, path, {**body, "stream": True, "prompt_logprobs": 1})
         assert status == 400 and answer["error"]["param"] == "prompt_logprobs"
-    status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10 ** 6})
-    assert status == 400 and answer["error"]["param"] == "max_completion_tokens" and answer["error"]["message"].startswith("max_completion_tokens=1000000 cannot")
+    status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**6})
+    assert (
+        status == 400
+        and answer["error"]["param"] == "max_completion_tokens"
+        and answer["error"]["message"].startswith("max_completion_tokens=1000000 cannot")
+    )
     assert post(server, "/v1/completions", {**prompt, "request_id": "mine"})[1]["id"] == "cmpl-mine"
     first, mine = connect(server), {"Content-Type": "application/json", "X-Request-Id": "abc"}
-    first.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 30, "ignore_eos": True, "stream": True}), mine)
+    first.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": CHAT, "max_tokens": 30, "ignore_eos": True, "stream": True}),
+        mine,
+    )
     streaming = first.getresponse()  # its request is in the engine now; a second with the same id runs beside it
     second = connect(server)
     second.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": 1}), mine)
@@ -3626,31 +5038,71 @@ def test_requests_read_as_vllm_032_reads_them(server):
     assert streaming.status == 200 and b'"id": "chatcmpl-abc"' in streaming.read()
     first.close(), second.close()
     turn = [*CHAT, {"role": "assistant", "content": "The capital"}]
-    answer = post(server, "/v1/chat/completions", {"messages": turn, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True})[1]
-    assert answer["choices"][0]["message"]["role"] == "assistant"  # continue_final_message: the last message is the assistant's
-    answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on:"}], "max_tokens": 1, "add_generation_prompt": False})[1]
+    answer = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": turn, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True},
+    )[1]
+    assert (
+        answer["choices"][0]["message"]["role"] == "assistant"
+    )  # continue_final_message: the last message is the assistant's
+    answer = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "go on:"}], "max_tokens": 1, "add_generation_prompt": False},
+    )[1]
     assert answer["choices"][0]["message"]["role"] == "user"
     answer = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})[1]
     assert answer["token_strs"] == server.engine.call(lambda llm: llm.tokenizer.convert_ids_to_tokens(answer["tokens"]))
     for logprobs, prompt_logprobs in ((1, 5), (5, 1)):
-        answer = post(server, "/v1/completions", {**prompt, "echo": True, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})[1]
+        answer = post(
+            server,
+            "/v1/completions",
+            {**prompt, "echo": True, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs},
+        )[1]
         [choice] = answer["choices"]
         assert all(len(top) <= logprobs + 1 for top in choice["logprobs"]["top_logprobs"] if top is not None)
         assert all(len(entry) <= prompt_logprobs + 1 for entry in choice["prompt_logprobs"] if entry is not None)
-    status, answer = post(server, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    status, answer = post(
+        server, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}
+    )
     assert status == 400 and "unexpected chat template kwargs" in answer["error"]["message"]
-    assert post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})[0] == 400
+    assert (
+        post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})[0] == 400
+    )
     status, answer = post(server, "/v1/completions", {"prompt": [7] * 600, "max_tokens": 1})
-    assert status == 400 and answer["error"]["param"] == "input_tokens" and answer["error"]["message"].startswith("This model's maximum context length is 512 tokens.")
+    assert (
+        status == 400
+        and answer["error"]["param"] == "input_tokens"
+        and answer["error"]["message"].startswith("This model's maximum context length is 512 tokens.")
+    )
 
 
 def test_vllms_extras_at_their_defaults_are_served(server):
     """A client may send every field: vLLM's extras at vLLM's defaults ask for nothing and are served."""
-    defaults = {"allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
-                "return_tokens_as_token_ids": False, "priority": 0, "max_tokens": 2}
-    assert post(server, "/v1/completions", {"prompt": "hi", "echo": False, "add_special_tokens": True, **defaults})[0] == 200
-    chat = {"messages": CHAT, "echo": False, "add_special_tokens": False, "add_generation_prompt": True, "continue_final_message": False,
-            "chat_template_kwargs": {}, "documents": None, **defaults}
+    defaults = {
+        "allowed_token_ids": None,
+        "bad_words": [],
+        "truncate_prompt_tokens": None,
+        "spaces_between_special_tokens": True,
+        "return_tokens_as_token_ids": False,
+        "priority": 0,
+        "max_tokens": 2,
+    }
+    assert (
+        post(server, "/v1/completions", {"prompt": "hi", "echo": False, "add_special_tokens": True, **defaults})[0]
+        == 200
+    )
+    chat = {
+        "messages": CHAT,
+        "echo": False,
+        "add_special_tokens": False,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "chat_template_kwargs": {},
+        "documents": None,
+        **defaults,
+    }
     assert post(server, "/v1/chat/completions", chat)[0] == 200
 
 
@@ -3663,21 +5115,45 @@ def test_unimplemented_fields_get_400(server, endpoint, field, value):
         if endpoint == "completions":
             client.completions.create(model=server.model_name, prompt="hi", max_tokens=2, extra_body={field: value})
         else:
-            client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
+            client.chat.completions.create(
+                model=server.model_name, messages=CHAT, max_tokens=2, extra_body={field: value}
+            )
     assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
 
 
 def test_penalties_and_logit_bias_are_applied(server):
     client = openai_client(server.test_url)
     token = post(server, "/tokenize", {"prompt": " banana", "add_special_tokens": False})[1]["tokens"][0]
-    forced = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}, logprobs=0,
-                                       extra_body={"ignore_eos": True})
+    forced = client.completions.create(
+        model=server.model_name,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text == " banana" * 4
-    penalized = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100},
-                                          presence_penalty=2, frequency_penalty=2, extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 2})
+    penalized = client.completions.create(
+        model=server.model_name,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        presence_penalty=2,
+        frequency_penalty=2,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.5, "min_tokens": 2},
+    )
     assert penalized.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(token): 100},
-                                          presence_penalty=0.5, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=CHAT,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
+        presence_penalty=0.5,
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.content == " banana" * 3
 
 
@@ -3698,17 +5174,32 @@ def test_openai_client_response_format_and_parse(folder_llm):
         model = client.models.list().data[0].id
         messages = [{"role": "user", "content": "Give a person as JSON."}]
         schema = SCHEMAS[7][1]
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give a todo item as JSON."}], max_tokens=200, temperature=0,
-                                              response_format={"type": "json_schema", "json_schema": {"name": "todo", "schema": schema, "strict": True}})
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Give a todo item as JSON."}],
+            max_tokens=200,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "todo", "schema": schema, "strict": True}},
+        )
         assert chat.choices[0].finish_reason == "stop"
         pytest.importorskip("jsonschema").validate(json.loads(chat.choices[0].message.content), schema)
-        parsed = client.beta.chat.completions.parse(model=model, messages=messages, max_tokens=200, temperature=0, response_format=Person)
+        parsed = client.beta.chat.completions.parse(
+            model=model, messages=messages, max_tokens=200, temperature=0, response_format=Person
+        )
         person = parsed.choices[0].message.parsed
         assert isinstance(person, Person) and 0 <= person.age <= 120
-        completion = client.completions.create(model=model, prompt="The answer is", max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+        completion = client.completions.create(
+            model=model,
+            prompt="The answer is",
+            max_tokens=10,
+            temperature=0,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
         assert completion.choices[0].text in ["yes", "no"]
         with pytest.raises(openai.BadRequestError, match="structured_outputs.regex does not compile"):
-            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(["}})
+            client.completions.create(
+                model=model, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(["}}
+            )
     finally:
         srv.stop()
     assert folder_llm.allocator.num_free_blocks == folder_llm.allocator.num_blocks
@@ -3728,7 +5219,13 @@ def test_generate_stream_is_cumulative_ndjson(server):
 
 
 def test_completions_stream_sse(server):
-    body = {"model": server.model_name, "prompt": "The president of the United States is", "max_tokens": 8, "logprobs": 1, **GREEDY_JSON}
+    body = {
+        "model": server.model_name,
+        "prompt": "The president of the United States is",
+        "max_tokens": 8,
+        "logprobs": 1,
+        **GREEDY_JSON,
+    }
     status, whole = post(server, "/v1/completions", body)
     assert status == 200 and whole["object"] == "text_completion"
     [choice] = whole["choices"]
@@ -3743,8 +5240,12 @@ def test_completions_stream_sse(server):
     assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
     assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
     assert [t for e in events for t in e["choices"][0]["logprobs"]["text_offset"]] == choice["logprobs"]["text_offset"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
-    assert [e["choices"][0]["stop_reason"] for e in events] == [None] * len(events)  # vLLM's field on every chunk (None: not a stop string)
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]
+    )  # usage only with include_usage
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None] * len(
+        events
+    )  # vLLM's field on every chunk (None: not a stop string)
 
 
 # Recorded from vLLM 0.32 serving the HF copy of the default model (request -> the error's type and param)
@@ -3768,26 +5269,45 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
     """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its prompt's tokens and
     its choice's so far; the last chunk has the usual total. Without include_usage it adds nothing, as in vLLM."""
     options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY_JSON}
-    events = sse_events(stream(server, "/v1/completions", {"prompt": "Count with me: one, two,", "max_tokens": 3, "n": 2, **options})[1])
+    events = sse_events(
+        stream(server, "/v1/completions", {"prompt": "Count with me: one, two,", "max_tokens": 3, "n": 2, **options})[1]
+    )
     num_prompt = events[-1]["usage"]["prompt_tokens"]
     for i in range(2):
         usages = [e["usage"] for e in events if e["choices"] and e["choices"][0]["index"] == i]
         counts = [u["completion_tokens"] for u in usages]
         assert counts == sorted(set(counts)) and counts[-1] == 3, counts
-        assert all(u["prompt_tokens"] == num_prompt and u["total_tokens"] == num_prompt + u["completion_tokens"] for u in usages)
+        assert all(
+            u["prompt_tokens"] == num_prompt and u["total_tokens"] == num_prompt + u["completion_tokens"]
+            for u in usages
+        )
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
     chat = sse_events(stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **options})[1])
-    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[-2]["usage"]["completion_tokens"] == chat[-1]["usage"]["completion_tokens"] == 2
-    events = sse_events(stream(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}})[1])
+    assert (
+        chat[0]["usage"]["completion_tokens"] == 0
+        and chat[-2]["usage"]["completion_tokens"] == chat[-1]["usage"]["completion_tokens"] == 2
+    )
+    events = sse_events(
+        stream(
+            server,
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 2, "stream_options": {"continuous_usage_stats": True}},
+        )[1]
+    )
     assert all("usage" not in e for e in events)
 
 
 def test_chat_stream_chunks_have_vllms_shape(server):
     """Recorded from vLLM 0.32: a chat stream opens with the role, then content deltas without stop_reason;
     the last chunk of a choice carries finish_reason and stop_reason."""
-    _, lines = stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True, **GREEDY_JSON})
+    _, lines = stream(
+        server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True, **GREEDY_JSON}
+    )
     events = sse_events(lines)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "stop_reason" not in events[0]["choices"][0]
+    assert (
+        events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        and "stop_reason" not in events[0]["choices"][0]
+    )
     assert all("stop_reason" not in e["choices"][0] for e in events[1:-1]) and len(events) == 4
     assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"][0]["stop_reason"] is None
 
@@ -3803,22 +5323,34 @@ def test_stream_holds_back_a_partial_stop_string(server):
 
 
 def test_chat_stream_sse(server):
-    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 6,
-            "logprobs": True, "top_logprobs": 2, **GREEDY_JSON}
+    body = {
+        "model": server.model_name,
+        "messages": [{"role": "user", "content": "Name a planet."}],
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **GREEDY_JSON,
+    }
     status, whole = post(server, "/v1/chat/completions", body)
     assert status == 200 and whole["object"] == "chat.completion"
     [choice] = whole["choices"]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
     content = choice["logprobs"]["content"]
-    assert len(content) == 6 and all(len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode()) for t in content)
+    assert len(content) == 6 and all(
+        len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode()) for t in content
+    )
     assert whole["usage"]["completion_tokens"] == 6
 
     events = sse_events(stream(server, "/v1/chat/completions", body)[1])
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == choice["message"]["content"]
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]  # usage only with include_usage
-    assert all("content" in e["choices"][0]["delta"] for e in events)  # an empty last delta is {"content": ""}, as vLLM's (not {})
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]
+    )  # usage only with include_usage
+    assert all(
+        "content" in e["choices"][0]["delta"] for e in events
+    )  # an empty last delta is {"content": ""}, as vLLM's (not {})
 
 
 def test_generate_stream_sends_each_logprob_once(server):
@@ -3833,15 +5365,21 @@ def test_generate_stream_sends_each_logprob_once(server):
 
 def test_32_concurrent_clients_match_offline_generate(server):
     prompts = [f"Request {i}: the most interesting fact about the number {i * 7} is" for i in range(32)]
-    offline = server.engine.call(lambda llm: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False))
+    offline = server.engine.call(
+        lambda llm: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    )
     before = engine_state(server)
     answers = [None] * len(prompts)
 
     def client(i):  # half on /generate, half on /v1/completions
         if i % 2:
-            answers[i] = post(server, "/generate", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["text"][0][len(prompts[i]):]
+            answers[i] = post(server, "/generate", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["text"][
+                0
+            ][len(prompts[i]) :]
         else:
-            answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1]["choices"][0]["text"]
+            answers[i] = post(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, **GREEDY_JSON})[1][
+                "choices"
+            ][0]["text"]
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -3916,16 +5454,24 @@ def test_a_stream_cancelled_before_its_first_chunk_still_aborts():
 
     pending, chunks = Pending(), body()
     with pytest.raises(Exception):
-        asyncio.run(AbortingStream(pending, chunks, headers={})({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone))
+        asyncio.run(
+            AbortingStream(pending, chunks, headers={})(
+                {"type": "http", "asgi": {"spec_version": "2.4"}}, receive, gone
+            )
+        )
     assert pending.aborted  # (the body never started: its own finally could not have done it)
 
 
-@pytest.mark.parametrize("path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)])
+@pytest.mark.parametrize(
+    "path,streamed", [("/generate", True), ("/v1/chat/completions", True), ("/v1/completions", False)]
+)
 def test_client_disconnect_aborts_and_frees_blocks(server, path, streamed):
     before = engine_state(server)
     num_aborts = server.engine.num_client_aborts
     body = {"max_tokens": 480, "stream": streamed, **GREEDY_JSON}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "Tell me a long story."})
+    body.update(
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "Tell me a long story."}
+    )
     conn = connect(server)
     conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     if streamed:
@@ -3956,8 +5502,16 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/generate", {"prompt": 5}, "'prompt': Input should be a valid string"),
     ("/generate", {"prompt": ""}, "prompt is empty"),
     ("/generate", {"prompt": TOO_LONG}, "maximum context length is 512"),
-    ("/generate", {"prompt": "hi", "max_tokens": "ten"}, "'max_tokens': Input should be a valid integer"),  # "10" is taken, as vLLM
-    ("/generate", {"prompt": "hi", "stream": "maybe"}, "'stream': Input should be a valid boolean"),  # "yes", "false", 1 are taken, as vLLM
+    (
+        "/generate",
+        {"prompt": "hi", "max_tokens": "ten"},
+        "'max_tokens': Input should be a valid integer",
+    ),  # "10" is taken, as vLLM
+    (
+        "/generate",
+        {"prompt": "hi", "stream": "maybe"},
+        "'stream': Input should be a valid boolean",
+    ),  # "yes", "false", 1 are taken, as vLLM
     ("/generate", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/generate", {"prompt": "hi", "n": 0}, "n must be"),
@@ -3969,17 +5523,33 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
     ("/v1/completions", {"max_tokens": 3}, "'prompt' is required"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt 1: prompt is empty"),
     ("/v1/completions", {"prompt": TOO_LONG, "stream": True}, "maximum context length is 512"),
-    ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "'suffix' is not supported"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens=1000000 cannot be greater than max_model_len="),  # vLLM's 400
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 10**6},
+        "max_tokens=1000000 cannot be greater than max_model_len=",
+    ),  # vLLM's 400
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, "'messages': Input should be a valid array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "'messages[0].role' is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
-    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": [1]}}, "'stream_options.include_usage'"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream_options' is only allowed with stream: true"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "top_logprobs": 2},
+        "when using `top_logprobs`, `logprobs` must be set to true.",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream_options": {"include_usage": [1]}},
+        "'stream_options.include_usage'",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        "'stream_options' is only allowed with stream: true",
+    ),
     ("/generate", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', "too large"),
 ]
 
@@ -3987,8 +5557,12 @@ BAD_REQUESTS = [  # (path, body or raw bytes, words the error message must conta
 @pytest.mark.parametrize("path,body,words", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD_REQUESTS)])
 def test_bad_request_gets_400_and_server_keeps_serving(server, path, body, words):
     status, answer = request(server, "POST", path, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
-    body_error = (answer["error"]["param"] or "").startswith("body")  # pydantic refused the body: vLLM's (FastAPI's) type
-    assert status == 400 and answer["error"]["type"] == ("Bad Request" if body_error else "BadRequestError")  # vLLM's type names
+    body_error = (answer["error"]["param"] or "").startswith(
+        "body"
+    )  # pydantic refused the body: vLLM's (FastAPI's) type
+    assert status == 400 and answer["error"]["type"] == (
+        "Bad Request" if body_error else "BadRequestError"
+    )  # vLLM's type names
     assert words in answer["error"]["message"], answer
     assert post(server, "/generate", {"prompt": "ok?", "max_tokens": 2})[0] == 200
 
@@ -4012,7 +5586,11 @@ def test_unknown_path_and_wrong_method(server):
 
 def test_keep_alive_connection_survives_errors(server):
     conn = connect(server)
-    for raw, status in [(b"{bad", 400), (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 400), (json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), 200)]:
+    for raw, status in [
+        (b"{bad", 400),
+        (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 400),
+        (json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), 200),
+    ]:
         conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == status and json.loads(resp.read())
@@ -4030,18 +5608,28 @@ def test_engine_error_fails_the_running_requests_and_keeps_serving(server):
             del llm.step  # back to the real method
             real_step()  # schedules and allocates, as a real failure mid-step would have
             raise RuntimeError("simulated failure")
+
         llm.step = broken
 
     server.engine.call(break_next_step)
     status, answer = post(server, "/generate", {"prompt": "boom", "max_tokens": 4})
     assert status == 500 and answer["error"]["type"] == "InternalServerError"
-    assert "simulated failure" not in answer["error"]["message"]  # a 500 does not echo internals (the server log has them)
+    assert (
+        "simulated failure" not in answer["error"]["message"]
+    )  # a 500 does not echo internals (the server log has them)
     wait_all_blocks_free(server)
     assert post(server, "/generate", {"prompt": "fine", "max_tokens": 2})[0] == 200
 
 
-@pytest.mark.parametrize("raw", [b'{"prompt": "a\\ud800b"}', b'{"prompt": "' + b"[" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
-                         ids=["lone-surrogate", "deep-nesting-open", "deep-nesting"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "a\\ud800b"}',
+        b'{"prompt": "' + b"[" * 100_000,
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ],
+    ids=["lone-surrogate", "deep-nesting-open", "deep-nesting"],
+)
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
 def test_surrogates_and_deep_nesting_get_400(server, raw, path):
     status, answer = request(server, "POST", path, raw=raw)
@@ -4060,10 +5648,15 @@ def metric_values(server):
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
     values = {}
     for family in text_string_to_metric_families(resp.read().decode()):
-        for sample in family.samples:
-            assert sample.labels.get("model_name", server.model_name) == server.model_name and sample.labels.get("engine", "0") == "0"
-            extra = [v for k, v in sample.labels.items() if k not in ("model_name", "engine")]  # finished_reason, source, ...
-            values[(sample.name, extra[0] if extra else None)] = sample.value
+        for point in family.samples:
+            assert (
+                point.labels.get("model_name", server.model_name) == server.model_name
+                and point.labels.get("engine", "0") == "0"
+            )
+            extra = [
+                v for k, v in point.labels.items() if k not in ("model_name", "engine")
+            ]  # finished_reason, source, ...
+            values[(point.name, extra[0] if extra else None)] = point.value
     conn.close()
     return values
 
@@ -4087,19 +5680,38 @@ def test_metrics_count_the_requests_sent(server):
     assert delta("vllm:request_prefill_kv_computed_tokens_sum") == num_prompt - delta("vllm:prefix_cache_hits_total")
     assert delta("vllm:generation_tokens_total") == 3 * 3
     assert delta("vllm:request_success_total", "length") == 3
-    for histogram in ["vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
-                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"]:
+    for histogram in [
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+    ]:
         assert delta(histogram + "_count") == 3 and delta(histogram + "_sum") > 0
     assert delta("vllm:inter_token_latency_seconds_count") == 3 * 2  # one per gap between two tokens
-    assert delta("vllm:request_prompt_tokens_sum") == num_prompt and delta("vllm:request_generation_tokens_sum") == 3 * 3
+    assert (
+        delta("vllm:request_prompt_tokens_sum") == num_prompt and delta("vllm:request_generation_tokens_sum") == 3 * 3
+    )
     computed = delta("vllm:prompt_tokens_by_source_total", "local_compute")
-    assert computed == num_prompt - delta("vllm:prefix_cache_hits_total") and delta("vllm:prompt_tokens_by_source_total", "external_kv_transfer") == 0
-    assert delta("vllm:prompt_tokens_cached_by_source_total", "device") == delta("vllm:prompt_tokens_by_source_total", "local_cache_hit") == delta("vllm:prefix_cache_hits_total")
+    assert (
+        computed == num_prompt - delta("vllm:prefix_cache_hits_total")
+        and delta("vllm:prompt_tokens_by_source_total", "external_kv_transfer") == 0
+    )
+    assert (
+        delta("vllm:prompt_tokens_cached_by_source_total", "device")
+        == delta("vllm:prompt_tokens_by_source_total", "local_cache_hit")
+        == delta("vllm:prefix_cache_hits_total")
+    )
     # each step's tokens: the prompts' computed tokens once, then each output token but the last fed back
     assert delta("vllm:iteration_tokens_total_sum") == computed + 3 * (3 - 1)
     assert delta("vllm:request_params_max_tokens_sum") == 3 * 3 and delta("vllm:request_params_max_tokens_count") == 3
     assert delta("vllm:request_num_preemptions_count") == 3 and delta("vllm:request_num_preemptions_sum") == 0
-    assert after[("vllm:engine_sleep_state", "awake")] == 1 and after[("vllm:admission_rejections_total", "max_num_queued_reqs")] == 0
+    assert (
+        after[("vllm:engine_sleep_state", "awake")] == 1
+        and after[("vllm:admission_rejections_total", "max_num_queued_reqs")] == 0
+    )
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:num_requests_waiting", None)] == 0
     assert after[("vllm:kv_cache_usage_perc", None)] == 0
 
@@ -4109,7 +5721,9 @@ def test_metrics_leave_out_a_refused_batch(server):
     wait_all_blocks_free(server)
     before = metric_values(server)
     assert post(server, "/v1/completions", {"prompt": ["Metrics refused", "x " * 5000], "max_tokens": 2})[0] == 400
-    assert post(server, "/v1/completions", {"prompt": "Metrics after", "max_tokens": 2, **GREEDY_JSON})[0] == 200  # steps past the aborts
+    assert (
+        post(server, "/v1/completions", {"prompt": "Metrics after", "max_tokens": 2, **GREEDY_JSON})[0] == 200
+    )  # steps past the aborts
     after = metric_values(server)
     delta = lambda name, reason=None: after.get((name, reason), 0) - before.get((name, reason), 0)  # noqa: E731
     assert delta("vllm:request_success_total", "abort") == 0 and delta("vllm:request_success_total", "length") == 1
@@ -4119,16 +5733,44 @@ def test_metrics_leave_out_a_refused_batch(server):
 # vLLM 0.32's /metrics families (GPU-, LoRA-, speculative- and multimodal-only ones left out); a dashboard
 # made for vLLM reads these. Names of older vLLMs (gpu_cache_usage_perc, time_per_output_token_seconds) are gone.
 VLLM_METRICS = {
-    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason", "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
-              "vllm:engine_sleep_state"],
-    "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached", "vllm:prompt_tokens_by_source",
-                "vllm:prompt_tokens_cached_by_source", "vllm:admission_rejections"],
-    "histogram": ["vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
-                  "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
-                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
-                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens",
-                  "vllm:iteration_tokens_total", "vllm:request_params_max_tokens", "vllm:request_num_preemptions"],
+    "gauge": [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_waiting_by_reason",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:engine_sleep_state",
+    ],
+    "counter": [
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:prompt_tokens_cached",
+        "vllm:prompt_tokens_by_source",
+        "vllm:prompt_tokens_cached_by_source",
+        "vllm:admission_rejections",
+    ],
+    "histogram": [
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_max_num_generation_tokens",
+        "vllm:request_params_n",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_prefill_kv_computed_tokens",
+        "vllm:iteration_tokens_total",
+        "vllm:request_params_max_tokens",
+        "vllm:request_num_preemptions",
+    ],
 }  # names, kinds and labels as vLLM 0.32's v1/metrics/loggers.py declares them
 
 
@@ -4139,19 +5781,42 @@ def test_metrics_scrape_has_vllms_families(server):
     conn.request("GET", "/metrics")
     families = {f.name: f for f in text_string_to_metric_families(conn.getresponse().read().decode())}
     conn.close()
-    assert {name: f.type for name, f in families.items()} == {name: kind for kind, names in VLLM_METRICS.items() for name in names}
+    assert {name: f.type for name, f in families.items()} == {
+        name: kind for kind, names in VLLM_METRICS.items() for name in names
+    }
     [info] = families["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"
-    assert "model_name" not in info.labels and info.labels["engine"] == "0"  # vLLM labels it with CacheConfig's fields and the engine only
+    assert (
+        "model_name" not in info.labels and info.labels["engine"] == "0"
+    )  # vLLM labels it with CacheConfig's fields and the engine only
     for name, family in families.items():
-        if name not in ("vllm:cache_config_info", "vllm:admission_rejections"):  # vLLM labels these two without model_name / engine
+        if name not in (
+            "vllm:cache_config_info",
+            "vllm:admission_rejections",
+        ):  # vLLM labels these two without model_name / engine
             assert all({"model_name", "engine"} <= set(sample.labels) for sample in family.samples), name
-    assert {s.labels["source"] for s in families["vllm:prompt_tokens_by_source"].samples} == {"local_compute", "local_cache_hit", "external_kv_transfer"}
-    assert {s.labels["source"] for s in families["vllm:prompt_tokens_cached_by_source"].samples} == {"device", "host", "p2p", "disk", "external_unspecified"}
-    assert {s.labels["reason"] for s in families["vllm:admission_rejections"].samples} == {"max_num_queued_reqs", "max_num_queued_tokens"}
+    assert {s.labels["source"] for s in families["vllm:prompt_tokens_by_source"].samples} == {
+        "local_compute",
+        "local_cache_hit",
+        "external_kv_transfer",
+    }
+    assert {s.labels["source"] for s in families["vllm:prompt_tokens_cached_by_source"].samples} == {
+        "device",
+        "host",
+        "p2p",
+        "disk",
+        "external_unspecified",
+    }
+    assert {s.labels["reason"] for s in families["vllm:admission_rejections"].samples} == {
+        "max_num_queued_reqs",
+        "max_num_queued_tokens",
+    }
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every FinishReason, from the start
-    assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {"capacity", "deferred"}
+    assert {s.labels["reason"] for s in families["vllm:num_requests_waiting_by_reason"].samples} == {
+        "capacity",
+        "deferred",
+    }
 
 
 # -- The HTTP stack (uvicorn): connections, framing, logs --
@@ -4239,12 +5904,18 @@ def test_nothing_posted_during_shutdown_waits_forever(tiny_llm):
 
     engine = server_module.EngineLoop(tiny_llm)
     draining, release, fail_all = threading.Event(), threading.Event(), engine._fail_all
-    engine._fail_all = lambda error: (draining.set(), release.wait(30), fail_all(error))  # holds the thread after the drain
+    engine._fail_all = lambda error: (
+        draining.set(),
+        release.wait(30),
+        fail_all(error),
+    )  # holds the thread after the drain
     stopper = threading.Thread(target=engine.stop)
     stopper.start()
     assert draining.wait(10) and engine.thread.is_alive()
     result = []
-    caller = threading.Thread(target=lambda: result.append(pytest.raises(server_module.ServerError, engine.call, lambda llm: 1)), daemon=True)
+    caller = threading.Thread(
+        target=lambda: result.append(pytest.raises(server_module.ServerError, engine.call, lambda llm: 1)), daemon=True
+    )
     caller.start()
     caller.join(5)
     release.set()
@@ -4262,23 +5933,41 @@ def at_url(test_url):
 def test_framing_is_strict(server):
     before = engine_state(server)["output_tokens"]
     smuggled = b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 35\r\n\r\n{"prompt": "evil", "max_tokens": 5}'
-    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
-                          + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 4" not in answer  # the GET's body is its body, not a request
+    answer = raw_exchange(
+        server,
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    assert (
+        answer.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 4" not in answer
+    )  # the GET's body is its body, not a request
     assert engine_state(server)["output_tokens"] == before  # nothing was generated for the smuggled POST
 
     body = b'{"prompt": "hi", "max_tokens": 2}'
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    answer = raw_exchange(
+        server,
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
     assert answer.startswith(b"HTTP/1.1 400")
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    answer = raw_exchange(
+        server,
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(body), body),
+    )
     assert answer.startswith(b"HTTP/1.1 400")
-    answer = raw_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    answer = raw_exchange(
+        server,
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(body), body),
+    )
     assert answer.startswith(b"HTTP/1.1 200")  # chunked request bodies are framed correctly
     assert engine_state(server)["output_tokens"] == before + 2
 
     # an HTTP/1.0 client gets its stream delimited by the connection close, not chunked
     body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_JSON}).encode()
-    answer = raw_exchange(server, b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), wait=30)
+    answer = raw_exchange(
+        server, b"POST /generate HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), wait=30
+    )
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
     assert len(payload.splitlines()) == 3 and all(json.loads(line)["text"] for line in payload.splitlines())
@@ -4296,7 +5985,11 @@ def test_client_hang_ups_log_no_tracebacks(server, caplog):
     conn.endheaders(b'{"prompt": ')
     conn.close()
     conn = connect(server)  # a stream hung up after its first line
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, **GREEDY_JSON}))
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, "stream": True, **GREEDY_JSON}),
+    )
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline()
     conn.sock.close()
@@ -4304,7 +5997,9 @@ def test_client_hang_ups_log_no_tracebacks(server, caplog):
     wait_all_blocks_free(server)
     before = engine_state(server)["output_tokens"]
     conn = connect(server)  # a client that gives up on a whole answer (curl -m 5): no InvalidStateError
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, **GREEDY_JSON}))
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a story.", "max_tokens": 400, **GREEDY_JSON})
+    )
     deadline = time.monotonic() + 10
     while engine_state(server)["output_tokens"] == before and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -4345,21 +6040,48 @@ def bench_cli(capsys, *argv):
         (["--workload", "beam", "--beam-width", "0"], "--beam-width must be >= 1"),  # not the default width
         (["--workload", "beam", "--max-num-seqs", "2"], "--beam-width must be >= 1 and <= --max-num-seqs (2)"),
         (["--systems", "nanobatch,bogus"], "--systems: unknown system 'bogus'"),
-        (["--systems", "nanobatch,nanobatch-structured"], "--workload random does not run nanobatch-structured; it runs nanobatch, nanobatch-eager,"),
-        (["--workload", "host", "--systems", "hf-generate"], "--workload host does not run hf-generate; it runs nanobatch"),
-        (["--workload", "structured", "--systems", "nanobatch"], "--workload structured runs nanobatch and nanobatch-structured, and only them"),
-        (["--workload", "host", "--vllm-python", sys.executable], "--vllm-python runs the vllm system, which this run does not include"),
-        (["--prefix-len", "8"], "--prefix-len does not apply to --workload random; its workload flags are --min-prompt-len,"),
+        (
+            ["--systems", "nanobatch,nanobatch-structured"],
+            "--workload random does not run nanobatch-structured; it runs nanobatch, nanobatch-eager,",
+        ),
+        (
+            ["--workload", "host", "--systems", "hf-generate"],
+            "--workload host does not run hf-generate; it runs nanobatch",
+        ),
+        (
+            ["--workload", "structured", "--systems", "nanobatch"],
+            "--workload structured runs nanobatch and nanobatch-structured, and only them",
+        ),
+        (
+            ["--workload", "host", "--vllm-python", sys.executable],
+            "--vllm-python runs the vllm system, which this run does not include",
+        ),
+        (
+            ["--prefix-len", "8"],
+            "--prefix-len does not apply to --workload random; its workload flags are --min-prompt-len,",
+        ),
         (["--workload", "beam", "--min-output-len", "8"], "--min-output-len does not apply to --workload beam"),
-        (["--workload", "host", "--plot", "x.png"], "--plot does not apply to --workload host; its workload flags are --max-prompt-len"),
+        (
+            ["--workload", "host", "--plot", "x.png"],
+            "--plot does not apply to --workload host; its workload flags are --max-prompt-len",
+        ),
         (["--min-prompt-len", "9", "--max-prompt-len", "8"], "--min-prompt-len must be >= 1 and <= --max-prompt-len"),
         (["--workload", "structured", "--max-output-len", "0"], "--max-output-len must be >= 1"),
-        (["--max-num-seqs", "9999"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (9999)"),  # the engine's check, in bench's flags
+        (
+            ["--max-num-seqs", "9999"],
+            "--max-num-batched-tokens (2048) must be >= --max-num-seqs (9999)",
+        ),  # the engine's check, in bench's flags
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
         (["--model", "/no/such/model"], "--model /no/such/model does not exist"),
-        (["--tokenizer", sys.executable], "--tokenizer goes with --model random-qwen3-0.6b or random-tiny-llama; a real model brings its own"),
+        (
+            ["--tokenizer", sys.executable],
+            "--tokenizer goes with --model random-qwen3-0.6b or random-tiny-llama; a real model brings its own",
+        ),
         (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
-        (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder /no/such/folder does not exist"),
+        (
+            ["--json", "/no/such/folder/out.json"],
+            "--json /no/such/folder/out.json: the folder /no/such/folder does not exist",
+        ),
     ],
 )
 def test_bench_bad_arguments_are_one_clear_line(capsys, args, message):
@@ -4377,22 +6099,43 @@ def test_bench_checks_the_lengths_each_workload_reads():
         bench.resolve_args(args)
         return args
 
-    beam = resolve("--workload", "beam", "--max-output-len", "8")  # beams ignore --min-output-len (its default is larger)
+    beam = resolve(
+        "--workload", "beam", "--max-output-len", "8"
+    )  # beams ignore --min-output-len (its default is larger)
     assert (beam.beam_width, beam.max_output_len, beam.prefix_len) == (bench.DEFAULT_BEAM_WIDTH, 8, 0)
-    assert resolve("--workload", "host", "--max-prompt-len", "64").max_prompt_len == 64  # host reads only --max-prompt-len
+    assert (
+        resolve("--workload", "host", "--max-prompt-len", "64").max_prompt_len == 64
+    )  # host reads only --max-prompt-len
     assert resolve("--workload", "shared-prefix").prefix_len == bench.DEFAULT_PREFIX_LEN
-    assert resolve("--workload", "beam").systems == ["nanobatch-beam", "hf-beam"] and resolve("--workload", "host").systems == ["nanobatch"]
-    assert "beam: nanobatch-beam,hf-beam; host: nanobatch" in bench.systems_help()  # --help names every workload's default
+    assert resolve("--workload", "beam").systems == ["nanobatch-beam", "hf-beam"] and resolve(
+        "--workload", "host"
+    ).systems == ["nanobatch"]
+    assert (
+        "beam: nanobatch-beam,hf-beam; host: nanobatch" in bench.systems_help()
+    )  # --help names every workload's default
 
 
-@pytest.mark.parametrize("systems,reason", [("vllm", "vllm: skipped: no --vllm-python given"),
-                                            ("hf-generate", "hf-generate: skipped: could not load the model in transformers: ")])
+@pytest.mark.parametrize(
+    "systems,reason",
+    [
+        ("vllm", "vllm: skipped: no --vllm-python given"),
+        ("hf-generate", "hf-generate: skipped: could not load the model in transformers: "),
+    ],
+)
 def test_bench_prints_why_no_system_ran(tmp_path, systems, reason):
     """Every system skipped (no --vllm-python; a folder transformers cannot load): the reasons, then one error line."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--systems", systems, "--model", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "bench.py"), "--systems", systems, "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 1 and r.stdout.startswith(reason), r.stdout + r.stderr
-    assert r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)" and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)"
+        and "Traceback" not in r.stderr
+    ), r.stderr
 
 
 def test_bench_same_out_compares_with_the_first_greedy_system():
@@ -4403,8 +6146,13 @@ def test_bench_same_out_compares_with_the_first_greedy_system():
     assert bench.mark_same_outputs(results, runs) == "nanobatch"
     assert [r.num_same_outputs for r in results] == [None, 2, 1]
     assert bench.mark_same_outputs(results[:1], runs[:1]) is None  # nothing greedy: nothing to compare
-    results = [bench.SystemResult(name, 1.0) for name in ("nanobatch", "nanobatch-structured")]  # constrained: never the same by design
-    assert bench.mark_same_outputs(results, runs[1:]) == "nanobatch" and [r.num_same_outputs for r in results] == [2, None]
+    results = [
+        bench.SystemResult(name, 1.0) for name in ("nanobatch", "nanobatch-structured")
+    ]  # constrained: never the same by design
+    assert bench.mark_same_outputs(results, runs[1:]) == "nanobatch" and [r.num_same_outputs for r in results] == [
+        2,
+        None,
+    ]
     beam = bench.beam_workload(100, 4, 2, 3, 5, 8).describe()  # its output lengths count every beam's tokens
     assert (beam["beam_width"], beam["max_tokens"], "output_len" in beam) == (4, 8, False)
 
@@ -4413,13 +6161,23 @@ def test_bench_latencies_are_seconds_from_the_runs_start(tiny_llm, monkeypatch):
     """The engine's metrics are wall-clock (time.time(), as vLLM's): TTFT within the run, TPOT within a step's reach."""
     import bench
 
-    for module, name in ((nanobatch, "run_model"), (nanobatch, "sample"), (kernels, "paged_attention"), (kernels, "plan_paged_attention"), (tiny_llm, "step")):
+    for module, name in (
+        (nanobatch, "replay_graph"),
+        (nanobatch, "sample_fast"),
+        (kernels, "paged_attention"),
+        (kernels, "plan_paged_attention"),
+        (tiny_llm, "step"),
+        (tiny_llm.model, "forward"),
+    ):
         monkeypatch.setattr(module, name, getattr(module, name))  # ForwardTimer wraps them: undone after the test
     tiny_llm.forward_timer = bench.ForwardTimer(tiny_llm)
     workload = bench.random_workload(tiny_llm.model_config.vocab_size, 4, 3, 9, 2, 5)
     for run_fn in (bench.run_nanobatch, bench.run_nanobatch_static):
         run = run_fn(tiny_llm, workload)
-        assert all(0 <= t <= run.seconds for t in run.ttfts) and all(0 <= t <= run.seconds for t in run.tpots), (run.ttfts, run.tpots)
+        assert all(0 <= t <= run.seconds for t in run.ttfts) and all(0 <= t <= run.seconds for t in run.tpots), (
+            run.ttfts,
+            run.tpots,
+        )
     del tiny_llm.forward_timer
 
 
@@ -4427,9 +6185,16 @@ def test_bench_counts_truncated_json_as_invalid(monkeypatch):
     import bench
 
     schema = bench.STRUCTURED_SCHEMAS["a person"]
-    cases = [('{"name": "Ada", "age": 36}', True), ('{"name": "Ada", "ag', False), ('{"name": "Ada"}', False), ('"Ada"', False)]
+    cases = [
+        ('{"name": "Ada", "age": 36}', True),
+        ('{"name": "Ada", "ag', False),
+        ('{"name": "Ada"}', False),
+        ('"Ada"', False),
+    ]
     assert [bench.valid_json(text, schema) for text, _ in cases] == [ok for _, ok in cases]
-    monkeypatch.setitem(sys.modules, "jsonschema", None)  # not installed: JSON objects count, the schemas are not checked
+    monkeypatch.setitem(
+        sys.modules, "jsonschema", None
+    )  # not installed: JSON objects count, the schemas are not checked
     assert [bench.valid_json(text, schema) for text, _ in cases] == [True, False, True, False]
 
 
@@ -4437,7 +6202,9 @@ def test_bench_sees_the_cpu_other_processes_take():
     """bench.py says when a row ran on a busy machine: another process spinning during a run shows as its core."""
     import bench
 
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 2\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 2\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.3)  # (the interpreter starting)
         with bench.MachineLoad() as load:
@@ -4445,8 +6212,11 @@ def test_bench_sees_the_cpu_other_processes_take():
     finally:
         spinner.wait()
     assert load.others_cores > 0.5 and len(load.averages) == 2
-    line = bench.format_load([bench.SystemResult("nanobatch", 1.0, 10, load=load.averages, others_cores=load.others_cores)])
+    line = bench.format_load(
+        [bench.SystemResult("nanobatch", 1.0, 10, load=load.averages, others_cores=load.others_cores)]
+    )
     assert "BUSY during nanobatch" in line
+
 
 # ---- CLI ----
 
@@ -4454,7 +6224,14 @@ def test_bench_sees_the_cpu_other_processes_take():
 def run_cli(*args, stdin=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [*args, "--device", "cpu", "--dtype", "float32"]  # compared with fp32 engines
-    return subprocess.run([sys.executable, os.path.join(HERE, "nanobatch.py"), *args], input=stdin, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "nanobatch.py"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_cli_runs_prompts_and_writes_jsonl(tiny_models, tiny_llm, tmp_path):
@@ -4462,19 +6239,51 @@ def test_cli_runs_prompts_and_writes_jsonl(tiny_models, tiny_llm, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello, my name is\n\nThe capital of France is\n")
     out = tmp_path / "out.jsonl"
-    r = run_cli("--model", folder, "--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", str(out), "--num-kv-blocks", "64")
+    r = run_cli(
+        "--model",
+        folder,
+        "--prompts",
+        str(prompts),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--output",
+        str(out),
+        "--num-kv-blocks",
+        "64",
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["prompt"] for row in rows] == ["Hello, my name is", "The capital of France is"]
-    expected = tiny_llm.generate([row["prompt"] for row in rows], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    expected = tiny_llm.generate(
+        [row["prompt"] for row in rows], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False
+    )
     assert [row["token_ids"] for row in rows] == [o.outputs[0].token_ids for o in expected]
     assert all(row["finish_reason"] == "length" for row in rows)
     summary = r.stdout.strip().splitlines()[-1]
-    assert summary.startswith("requests: 2, prompt tokens:") and "output tokens: 12" in summary and "output tokens/s" in summary
+    assert (
+        summary.startswith("requests: 2, prompt tokens:")
+        and "output tokens: 12" in summary
+        and "output tokens/s" in summary
+    )
 
 
 def test_cli_reads_stdin_with_chat_template(tiny_models):
-    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--chat", "--max-tokens", "3", "--quiet", "--num-kv-blocks", "64", stdin="What is 2+2?\n")
+    r = run_cli(
+        "--model",
+        tiny_models["llama-gqa-untied"][0],
+        "--prompts",
+        "-",
+        "--chat",
+        "--max-tokens",
+        "3",
+        "--quiet",
+        "--num-kv-blocks",
+        "64",
+        stdin="What is 2+2?\n",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("requests: 1, prompt tokens:")
 
@@ -4485,19 +6294,49 @@ def test_cli_reads_stdin_with_chat_template(tiny_models):
         (["--prompts", "/no/such/file.txt"], "prompts file '/no/such/file.txt' does not exist"),
         (["--model", "/no/such/model", "--prompts", "EMPTY"], "has no prompts"),
         (["--model", "/no/such/model", "--prompts", "PROMPTS"], "model path '/no/such/model' does not exist"),
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"], "--top-p must be in (0, 1], got 7.0"),  # the flag, not the field
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "-1"], "--max-tokens must be an integer >= 1"),
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-num-seqs", "4096"], "--max-num-batched-tokens (2048) must be >= --max-num-seqs (4096)"),
-        (["--prompts", "PROMPTS", "--beam-width", "2", "--n", "3", "--seed", "1"], "--beam-width does not take --n, --seed"),
-        (["--prompts", "PROMPTS", "--beam-width", "2", "--temperature", "0.5", "--stop", "x", "--regex", "a"], "--beam-width does not take --temperature, --stop, --regex"),
-        (["--serve", "--prompts", "PROMPTS", "--temperature", "0.3", "--max-tokens", "9"], "--serve does not take --prompts, --max-tokens, --temperature"),
+        (
+            ["--model", "/no/such/model", "--prompts", "PROMPTS", "--top-p", "7"],
+            "--top-p must be in (0, 1], got 7.0",
+        ),  # the flag, not the field
+        (
+            ["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "-1"],
+            "--max-tokens must be an integer >= 1",
+        ),
+        (
+            ["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-num-seqs", "4096"],
+            "--max-num-batched-tokens (2048) must be >= --max-num-seqs (4096)",
+        ),
+        (
+            ["--prompts", "PROMPTS", "--beam-width", "2", "--n", "3", "--seed", "1"],
+            "--beam-width does not take --n, --seed",
+        ),
+        (
+            ["--prompts", "PROMPTS", "--beam-width", "2", "--temperature", "0.5", "--stop", "x", "--regex", "a"],
+            "--beam-width does not take --temperature, --stop, --regex",
+        ),
+        (
+            ["--serve", "--prompts", "PROMPTS", "--temperature", "0.3", "--max-tokens", "9"],
+            "--serve does not take --prompts, --max-tokens, --temperature",
+        ),
         (["--prompts", "PROMPTS", "--port", "9000"], "--port would be ignored without --serve"),
         (["--prompts", "LATIN1"], "is not UTF-8 text (byte 0)"),  # and names the file
-        (["--prompts", "PROMPTS", "--json-schema", "/no/block_size/s.json"], "--json-schema file '/no/block_size/s.json' does not exist"),  # a path stays as given
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--output", "/no/such/dir/o.jsonl"], "--output file '/no/such/dir/o.jsonl' cannot be written"),
+        (
+            ["--prompts", "PROMPTS", "--json-schema", "/no/block_size/s.json"],
+            "--json-schema file '/no/block_size/s.json' does not exist",
+        ),  # a path stays as given
+        (
+            ["--model", "/no/such/model", "--prompts", "PROMPTS", "--output", "/no/such/dir/o.jsonl"],
+            "--output file '/no/such/dir/o.jsonl' cannot be written",
+        ),
         (["--serve", "--port", "99999"], "--port must be an integer from 0 (any free port) to 65535"),
-        (["--serve", "--limit-concurrency", "0"], "--limit-concurrency must be a positive integer, got 0"),  # (None: the flag left out)
-        (["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "0"], "--max-tokens must be an integer >= 1, got 0"),
+        (
+            ["--serve", "--limit-concurrency", "0"],
+            "--limit-concurrency must be a positive integer, got 0",
+        ),  # (None: the flag left out)
+        (
+            ["--model", "/no/such/model", "--prompts", "PROMPTS", "--max-tokens", "0"],
+            "--max-tokens must be an integer >= 1, got 0",
+        ),
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, message):
@@ -4514,19 +6353,29 @@ def test_cli_errors_are_one_clear_line(tmp_path, args, message):
 
 def test_cli_words_name_flags_where_the_engine_names_fields():
     parser = nanobatch.build_arg_parser()  # (run_cli passes --device cpu: the device error is checked here)
-    for engine, cli in [("device is 'cuda:7' but CUDA is not available", "--device is 'cuda:7' but CUDA is not available"),
-                        ("dtype must be 'auto' or one of ['float32']", "--dtype must be 'auto' or one of ['float32']"),
-                        ("SamplingParams.seed must be an integer from 0 to 2**63 - 1, or None, got -1", "--seed must be an integer from 0 to 2**63 - 1, got -1"),
-                        ("model path '/tmp/device is x' does not exist", "model path '/tmp/device is x' does not exist")]:
+    for engine, cli in [
+        ("device is 'cuda:7' but CUDA is not available", "--device is 'cuda:7' but CUDA is not available"),
+        ("dtype must be 'auto' or one of ['float32']", "--dtype must be 'auto' or one of ['float32']"),
+        (
+            "SamplingParams.seed must be an integer from 0 to 2**63 - 1, or None, got -1",
+            "--seed must be an integer from 0 to 2**63 - 1, got -1",
+        ),
+        ("model path '/tmp/device is x' does not exist", "model path '/tmp/device is x' does not exist"),
+    ]:
         assert nanobatch.in_cli_words(engine, parser) == cli
 
 
 def test_cli_serve_without_server_py_names_the_missing_file(monkeypatch, capsys):
     """nanobatch.py + kernels.py copied alone are the engine; --serve says what else it needs."""
-    monkeypatch.setitem(sys.modules, "server", None)  # as if server.py were not there: `import server` raises ImportError
+    monkeypatch.setitem(
+        sys.modules, "server", None
+    )  # as if server.py were not there: `import server` raises ImportError
     with pytest.raises(SystemExit) as exit:
         nanobatch.main(["--serve"])
-    assert exit.value.code == 1 and capsys.readouterr().err.strip() == "error: --serve needs server.py next to nanobatch.py"
+    assert (
+        exit.value.code == 1
+        and capsys.readouterr().err.strip() == "error: --serve needs server.py next to nanobatch.py"
+    )
 
 
 def test_cli_busy_port_fails_before_the_model_load():
@@ -4537,36 +6386,93 @@ def test_cli_busy_port_fails_before_the_model_load():
         r = run_cli("--serve", "--port", str(port), "--model", "/no/such/model")  # the port error comes first
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: cannot serve on port") and str(port) in lines[0] and "(while attempting" not in lines[0]
+    assert (
+        lines[0].startswith("error: cannot serve on port")
+        and str(port) in lines[0]
+        and "(while attempting" not in lines[0]
+    )
 
 
 def test_cli_numbers_samples_and_help_shows_defaults(tiny_models):
-    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--n", "3", "--max-tokens", "2", "--num-kv-blocks", "64", stdin="Hello\n")
+    r = run_cli(
+        "--model",
+        tiny_models["llama-gqa-untied"][0],
+        "--prompts",
+        "-",
+        "--n",
+        "3",
+        "--max-tokens",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        stdin="Hello\n",
+    )
     assert r.returncode == 0, r.stderr
-    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == ["sample 1 of 3)", "sample 2 of 3)", "sample 3 of 3)"]
+    assert [line.split("(")[-1] for line in r.stdout.splitlines() if line.startswith("--- prompt")] == [
+        "sample 1 of 3)",
+        "sample 2 of 3)",
+        "sample 3 of 3)",
+    ]
     help_text = " ".join(run_cli("--help").stdout.split())  # argparse wraps lines
     assert "(default: 256)" in help_text and "(default: 2048)" in help_text and "(default: 8000)" in help_text
     args = nanobatch.build_arg_parser().parse_args([])  # argparse defaults are the dataclasses' defaults
     config, params = EngineConfig(device="cpu"), SamplingParams()
-    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (config.max_num_seqs, config.max_num_batched_tokens, config.block_size, EngineConfig.dtype, EngineConfig.device)
-    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size, args.dtype, args.device) == (
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.block_size,
+        EngineConfig.dtype,
+        EngineConfig.device,
+    )
+    assert (args.n, args.temperature, args.top_p, args.top_k, args.max_tokens, args.seed) == (
+        params.n,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.max_tokens,
+        params.seed,
+    )
 
 
 def test_cli_server_defaults_are_server_configs():
     ServerConfig = pytest.importorskip("server").ServerConfig
 
-    args, c = nanobatch.build_arg_parser().parse_args([]), ServerConfig()  # written out in the CLI, which imports server.py only for --serve
-    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (c.host, c.port, c.served_model_name, c.limit_concurrency, c.timeout_keep_alive)
+    args, c = (
+        nanobatch.build_arg_parser().parse_args([]),
+        ServerConfig(),
+    )  # written out in the CLI, which imports server.py only for --serve
+    assert (args.host, args.port, args.served_model_name, args.limit_concurrency, args.timeout_keep_alive) == (
+        c.host,
+        c.port,
+        c.served_model_name,
+        c.limit_concurrency,
+        c.timeout_keep_alive,
+    )
 
 
 def test_cli_json_schema_and_regex(tiny_models, tmp_path):
     """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes sense of it)."""
     folder = tiny_models["llama-gqa-untied"][0]
     (tmp_path / "prompts.txt").write_text("Hello\nThe capital of France is\n")
-    (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
-    common = ["--model", folder, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "30", "--num-kv-blocks", "64", "--output", str(tmp_path / "out.jsonl")]
-    for flag, value, check in [("--json-schema", str(tmp_path / "schema.json"), lambda t: isinstance(json.loads(t)["ok"], bool)),
-                               ("--regex", "[0-9]{3}-[a-c]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t))]:
+    (tmp_path / "schema.json").write_text(
+        json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    )
+    common = [
+        "--model",
+        folder,
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--max-tokens",
+        "30",
+        "--num-kv-blocks",
+        "64",
+        "--output",
+        str(tmp_path / "out.jsonl"),
+    ]
+    for flag, value, check in [
+        ("--json-schema", str(tmp_path / "schema.json"), lambda t: isinstance(json.loads(t)["ok"], bool)),
+        ("--regex", "[0-9]{3}-[a-c]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t)),
+    ]:
         r = run_cli(*common, flag, value)
         assert r.returncode == 0, r.stderr
         rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -4586,7 +6492,18 @@ def test_cli_names_a_folder_without_tokenizer_files(tmp_path, tiny_models):
     r = run_cli("--model", str(folder), "--prompts", str(tmp_path / "prompts.txt"))
     assert r.returncode == 1 and r.stderr.strip().startswith(f"error: no tokenizer files in '{folder}'"), r.stderr
     # as vLLM's tokenizer=: another folder's (or a .gguf file's) tokenizer; one that is not there is named
-    r = run_cli("--model", str(folder), "--tokenizer", src, "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "2", "--num-kv-blocks", "16")
+    r = run_cli(
+        "--model",
+        str(folder),
+        "--tokenizer",
+        src,
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--max-tokens",
+        "2",
+        "--num-kv-blocks",
+        "16",
+    )
     assert r.returncode == 0 and r.stdout.count("--- prompt") == 1, r.stderr
     with pytest.raises(FileNotFoundError, match="tokenizer path '/no/such/tokenizer' does not exist"):
         LLM(model=src, tokenizer="/no/such/tokenizer", **CPU)
@@ -4595,16 +6512,33 @@ def test_cli_names_a_folder_without_tokenizer_files(tmp_path, tiny_models):
 
 
 def test_cli_prints_empty_samples_and_beams_plainly(tiny_models):
-    r = run_cli("--model", tiny_models["llama-gqa-untied"][0], "--prompts", "-", "--beam-width", "2", "--max-tokens", "3", "--num-kv-blocks", "64", stdin="Hello\n")
+    r = run_cli(
+        "--model",
+        tiny_models["llama-gqa-untied"][0],
+        "--prompts",
+        "-",
+        "--beam-width",
+        "2",
+        "--max-tokens",
+        "3",
+        "--num-kv-blocks",
+        "64",
+        stdin="Hello\n",
+    )
     assert r.returncode == 0, r.stderr
     headers = [line for line in r.stdout.splitlines() if line.startswith("--- prompt")]
-    assert [h.split("(")[-1].split(",")[0] for h in headers] == ["beam 1 of 2", "beam 2 of 2"] and all("cumulative logprob -" in h for h in headers)
+    assert [h.split("(")[-1].split(",")[0] for h in headers] == ["beam 1 of 2", "beam 2 of 2"] and all(
+        "cumulative logprob -" in h for h in headers
+    )
     ended = nanobatch.CompletionOutput(1, "", [2], "stop")
     assert nanobatch.format_sample("Hi", ended, 3).splitlines()[1] == "(empty: the model ended at once)"
     cut = nanobatch.CompletionOutput(0, "", [5, 6], "stop", stop_reason=" pi")
     assert nanobatch.format_sample("Hi", cut, 1).splitlines()[1] == "(empty: the stop string ' pi' came first)"
     beam = nanobatch.CompletionOutput(0, " there", [5, 6], "length", cumulative_logprob=-1.23456)
-    assert nanobatch.format_sample("Hi", beam, 2, beam=True).splitlines()[0] == "--- prompt: 'Hi' (beam 1 of 2, cumulative logprob -1.235)"
+    assert (
+        nanobatch.format_sample("Hi", beam, 2, beam=True).splitlines()[0]
+        == "--- prompt: 'Hi' (beam 1 of 2, cumulative logprob -1.235)"
+    )
 
 
 def test_pyproject_builds_an_installable_wheel(tmp_path):
@@ -4616,15 +6550,37 @@ def test_pyproject_builds_an_installable_wheel(tmp_path):
     for name in ("pyproject.toml", "README.md", "LICENSE", "nanobatch.py", "kernels.py", "tp.py", "server.py"):
         os.symlink(os.path.join(HERE, name), tmp_path / name)  # a copy: the build writes build/ next to its sources
     shutil.copytree(os.path.join(HERE, "src"), tmp_path / "src", symlinks=True)  # its links point at the files above
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tmp_path), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(tmp_path),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     [wheel] = (tmp_path / "dist").glob("nanobatch-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
         init = z.read("nanobatch/__init__.py").decode()
-    assert {"nanobatch/__init__.py", "nanobatch/__main__.py", "nanobatch/kernels.py", "nanobatch/tp.py", "nanobatch/server.py"} <= set(names)
+    assert {
+        "nanobatch/__init__.py",
+        "nanobatch/__main__.py",
+        "nanobatch/kernels.py",
+        "nanobatch/tp.py",
+        "nanobatch/server.py",
+    } <= set(names)
     assert [n for n in names if "/" not in n] == []  # no top-level module
     with open(os.path.join(HERE, "nanobatch.py"), encoding="utf-8") as f:
         assert init == f.read()  # the package is nanobatch.py itself
