@@ -76,7 +76,8 @@ for sm_75/80/86/89/90 x fp16/bf16/fp32 x head_dim 64/128/256 x GQA 1/4/8 x decod
 Triton's compiler and the wheel's ptxas, and prints registers, spill bytes and shared memory against each
 arch's limit (compile-time facts, not timings); exit status 1 if any config spills or overflows.
 
-Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | vLLM | Roofline | Kernels | Report | CLI
+Sections: Defaults | Machine | Workloads | Measurement | nanobatch | HF transformers | vLLM | Roofline | Kernels |
+          Report | CLI
 
 Run:  python bench.py                                    (the random workload, its six systems: a few minutes on a CPU)
       python bench.py --workload shared-prefix             (prefix caching on / off)
@@ -185,7 +186,8 @@ WORKLOAD_DEFAULTS = {
     ("cpu", "shared-prefix"): dict(
         num_requests=32, min_prompt_len=16, max_prompt_len=32, min_output_len=16, max_output_len=32, max_num_seqs=16
     ),
-    # nano-vllm's benchmark: its workload and its engine settings (512 seats, 16,384 tokens a step, 4,096 tokens a sequence)
+    # nano-vllm's benchmark: its workload and its engine settings
+    # (512 seats, 16,384 tokens a step, 4,096 tokens a sequence)
     ("cuda", "random"): dict(
         num_requests=256,
         min_prompt_len=100,
@@ -259,7 +261,8 @@ STRUCTURED_SCHEMAS = {  # what the prompt asks for -> the JSON schema its output
     },
 }
 HOST_DECODE_STEPS = 16  # decode steps timed by --workload host
-# --workload host measures both: generate()'s outputs (final only) and add_request's default (an output per request per step)
+# --workload host measures both: generate()'s outputs (final only) and add_request's default
+# (an output per request per step)
 HOST_OUTPUT_KINDS = ("final_only", "cumulative")
 RANDOM_TINY_LLAMA = "random-tiny-llama"  # --model value: the --workload host default, a 2-layer Llama built here
 TINY_LLAMA_SHAPE = dict(
@@ -334,7 +337,8 @@ class Workload:
         return sum(self.output_lens)
 
     def longest_request(self):
-        """The request that takes longest alone: the most output tokens (one decode step each), then the longest prompt."""
+        """The request that takes longest alone: the most output tokens (one decode step each), then the longest
+        prompt."""
         return max(range(len(self.prompts)), key=lambda i: (self.output_lens[i], len(self.prompts[i])))
 
     def describe(self):
@@ -562,7 +566,8 @@ def measure(name, run_fn, workload, warmup, device, exact=True) -> tuple[SystemR
     if short:
         i = short[0]
         raise RuntimeError(
-            f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} ({len(short)} requests short)"
+            f"{name}: request {i} produced {len(run.output_ids[i])} tokens instead of {workload.output_lens[i]} "
+            f"({len(short)} requests short)"
         )
     result = SystemResult(
         name, run.seconds, sum(map(len, run.output_ids)), load=load.averages, others_cores=load.others_cores
@@ -755,7 +760,8 @@ def run_structured(llm, workload, warmup, device, results, runs, details, extra)
     report_engine_run("nanobatch", plain_run, llm, extra, details)
     report_engine_run("nanobatch-structured", run, llm, extra, details)
     details.append(
-        f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against {unconstrained.output_tokens_per_s:.1f} "
+        f"structured outputs: {constrained.output_tokens_per_s:.1f} output tok/s constrained against "
+        f"{unconstrained.output_tokens_per_s:.1f} "
         f"unconstrained ({constrained.output_tokens_per_s / unconstrained.output_tokens_per_s:.2f}x); "
         f"{num_ended}/{len(outputs)} ended by their grammar before the cap, {num_valid}/{len(outputs)} "
         + (
@@ -866,7 +872,8 @@ def add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
 
 def engine_run(llm, outputs, seconds, wall_start) -> Run:
     """Per-request latencies from the engine's metrics (wall-clock, time.time(), as vLLM's). Every request of the
-    workload arrives at wall_start, so TTFT counts from there (for static batching that includes waiting for earlier batches)."""
+    workload arrives at wall_start, so TTFT counts from there (for static batching that includes waiting for
+    earlier batches)."""
     ttfts, tpots = [], []
     for out in outputs:
         m, num_out = out.metrics, len(out.outputs[0].token_ids)
@@ -1029,7 +1036,9 @@ def hf_continuous_batching_config(workload, args):
         getattr(config, "page_size", None) or config.block_size
     )  # tokens per block: block_size in transformers 5.17, page_size later
     config.num_blocks = args.max_num_seqs * math.ceil(longest / page)  # blocks of page tokens
-    config.safety_margin = 0.0  # its default holds back 15% of the blocks from new prefills: with a cache this exact it would run fewer requests than max_num_seqs
+    # its default holds back 15% of the blocks from new prefills: with a cache this exact it would run fewer
+    # requests than max_num_seqs
+    config.safety_margin = 0.0
     return config
 
 
@@ -1167,7 +1176,8 @@ def hf_folder(model_path, folder):
 
 
 def run_vllm(args, model_path, workload, device, results, runs):
-    """vLLM on the workload (built here from the model's vocabulary if no other system built it); returns the workload."""
+    """vLLM on the workload (built here from the model's vocabulary if no other system built it); returns the
+    workload."""
     if not args.vllm_python:
         results.append(
             SystemResult(
@@ -1389,7 +1399,8 @@ def paged_kernel(device):
         return f"paged_attention_cpu ({route} for decode, CPU)", kernels.paged_attention_cpu
     if kernels.TRITON_INTERPRET:
         raise ValueError(
-            "--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: unset it to time it on the GPU"
+            "--kernels: TRITON_INTERPRET is set, so the Triton kernel would run interpreted: "
+            "unset it to time it on the GPU"
         )
     return "paged_attention_triton", kernels.paged_attention_triton
 
@@ -1590,8 +1601,8 @@ def format_static_table(rows):
     ]
     for r in rows:
         lines.append(
-            f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['group']} | {r['phase']} | {r['tiles']} | "
-            f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']:,} / {r['shared_limit']:,} |"
+            f"| {r['kernel']} | {r['arch']} | {r['dtype']} | {r['head_dim']} | {r['group']} | {r['phase']} | "
+            f"{r['tiles']} | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']:,} / {r['shared_limit']:,} |"
         )
     bad = [r for r in rows if r["spill_bytes"] or r["shared_bytes"] > r["shared_limit"]]
     lines.append(
@@ -1799,7 +1810,8 @@ def run_launches(args):
     launches = count_launches()
     layers = launches["ops"].get("layer", {})
     print(
-        f"one decode step of {LAUNCH_SEQS} sequences on the GPU code path (a Qwen3-layout model with q/k norm, counted on a CPU):"
+        f"one decode step of {LAUNCH_SEQS} sequences on the GPU code path "
+        "(a Qwen3-layout model with q/k norm, counted on a CPU):"
     )
     print(
         f"  launches a layer: {launches['per_layer']:g} (goal <= {LAUNCH_GOAL_PER_LAYER}): "
@@ -1812,7 +1824,8 @@ def run_launches(args):
         ops = launches["ops"].get(where, {})
         print(f"  {label}: {sum(ops.values())}: " + ", ".join(f"{n} {c}" for n, c in ops.items()))
     print(
-        f"  host syncs (.item(), .tolist() of a device tensor) before the sampled ids: {sum(launches['host_syncs'].values())}"
+        "  host syncs (.item(), .tolist() of a device tensor) before the sampled ids: "
+        f"{sum(launches['host_syncs'].values())}"
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -1944,22 +1957,27 @@ def format_engine_details(name, stats, llm, seconds, ideal_s=None, split=None, r
             f"would hold {unshared} ({held / unshared:.0%})"
         )
     if ideal_s is not None:
-        line += f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s (the longest request alone, best of 3: no batching can finish sooner)"
+        line += (
+            f"\n{name}: wall time {seconds:.2f} s, ideal {ideal_s:.2f} s "
+            "(the longest request alone, best of 3: no batching can finish sooner)"
+        )
     return line
 
 
 def format_host_split(name, split, what):
     return (
-        f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms ({split['host_share']:.1%}; "
-        f"forward {split['forward_ms']:.2f} ms), {what}; host = schedule + prepare + sample + append + detokenize\n"
-        f"{name}: of the host time, the sampler's tensor work (nanobatch.sample_fast over the logits: device work on a GPU) "
-        f"{split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms"
+        f"{name}: host time per step {split['host_ms']:.2f} ms of {split['step_ms']:.2f} ms "
+        f"({split['host_share']:.1%}; forward {split['forward_ms']:.2f} ms), {what}; "
+        "host = schedule + prepare + sample + append + detokenize\n"
+        f"{name}: of the host time, the sampler's tensor work (nanobatch.sample_fast over the logits: "
+        f"device work on a GPU) {split['sampler_ms']:.2f} ms, the Python bookkeeping {split['bookkeeping_ms']:.2f} ms"
     )
 
 
 def format_roofline(r: Roofline):
     return (
-        f"decode roofline: batch {r.batch_size} x ~{r.context_len} tokens; reads {r.weight_bytes / 2**20:.0f} MiB weights + "
+        f"decode roofline: batch {r.batch_size} x ~{r.context_len} tokens; "
+        f"reads {r.weight_bytes / 2**20:.0f} MiB weights + "
         f"{r.kv_bytes / 2**20:.0f} MiB live KV per step at {r.copy_bandwidth_gb_s:.0f} GB/s (measured copy) = "
         f"{r.roofline_step_s * 1e3:.2f} ms; measured step {r.measured_step_s * 1e3:.2f} ms, of it the forward "
         f"{r.forward_s * 1e3:.2f} ms ({r.roofline_step_s / r.measured_step_s:.0%} of the roofline)"
@@ -1970,8 +1988,8 @@ def format_kernel_table(timings, device_name, dtype):
     """Markdown: a row per kernel and shape, decode in GB/s of K/V read, prefill in TFLOP/s."""
     h = KERNEL_HEADS
     lines = [
-        f"kernels on {device_name}, {dtype}: {h['num_heads']} query heads, {h['num_kv_heads']} kv heads, head_dim {h['head_dim']}, "
-        f"block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
+        f"kernels on {device_name}, {dtype}: {h['num_heads']} query heads, {h['num_kv_heads']} kv heads, "
+        f"head_dim {h['head_dim']}, block_size {EngineConfig.block_size}; median of {KERNEL_REPEATS} runs",
         "",
         "| kernel | shape | ms | GB/s or TFLOP/s | vs SDPA | max abs diff vs SDPA |",
         "|---|---|---:|---:|---:|---:|",
@@ -1986,7 +2004,8 @@ def format_kernel_table(timings, device_name, dtype):
         diff = "-" if t.max_abs_diff is None else f"{t.max_abs_diff:.1e}" + ("" if t.outputs_agree else " (DISAGREE)")
         lines.append(f"| {t.kernel} | {shape} | {t.ms:.3f} | {rate} | {t.vs_sdpa:.2f}x | {diff} |")
     lines.append(
-        "\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). SDPA reads dense contiguous K/V with enable_gqa=True."
+        "\nvs SDPA: SDPA's time / the row's time (> 1: faster than SDPA). "
+        "SDPA reads dense contiguous K/V with enable_gqa=True."
     )
     return "\n".join(lines)
 
@@ -2028,7 +2047,8 @@ def plot(path, results, workload):
 
 
 def report_engine_run(name, run, llm, extra, details, ideal=None):
-    """A nanobatch system's engine figures (steps, KV blocks, host time per step, ...): a details line, and in extra for --json."""
+    """A nanobatch system's engine figures (steps, KV blocks, host time per step, ...): a details line, and in extra
+    for --json."""
     engine = extra.setdefault("engine", {})[name] = asdict(run.stats)
     steps = run.stats.num_steps
     split = host_split(run.seconds / steps, run.forward_seconds / steps, run.sample_seconds / steps) if steps else None
@@ -2038,8 +2058,9 @@ def report_engine_run(name, run, llm, extra, details, ideal=None):
     if run.decode_split:
         engine["decode"] = d = run.decode_split
         details.append(
-            f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, attention {d['attention_ms']:.1f} ms "
-            f"({d['attention_share']:.1%}; kernels.paged_attention and its per-step plan)"
+            f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, "
+            f"attention {d['attention_ms']:.1f} ms ({d['attention_share']:.1%}; "
+            "kernels.paged_attention and its per-step plan)"
         )
     if run.peak_blocks:
         engine.update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])
@@ -2060,8 +2081,8 @@ def run_engine_systems(args, model_path, device, results, runs, extra):
     details = [
         f"nanobatch: model load {extra['load_seconds']:.1f} s ({os.path.basename(model_path)})"
         + (
-            f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s ({len(llm.cuda_graphs)} batch sizes, 1 to "
-            f"{max(llm.cuda_graphs)}): decode steps replay graphs"
+            f", of it CUDA graph capture {llm.stats.graph_capture_seconds:.1f} s "
+            f"({len(llm.cuda_graphs)} batch sizes, 1 to {max(llm.cuda_graphs)}): decode steps replay graphs"
             if llm.cuda_graphs
             else "; CUDA graphs: none (every step eager: enforce_eager, or the capture failed, as warned)"
             if device.type == "cuda"
@@ -2172,7 +2193,8 @@ def run_kernels(args, device):
     print(format_kernel_table(timings, device_name, args.dtype))
     if device.type != "cuda":
         print(
-            "CPU: the engine's CPU path is timed in place of the Triton kernel (interpreted Triton times mean nothing); "
+            "CPU: the engine's CPU path is timed in place of the Triton kernel "
+            "(interpreted Triton times mean nothing); "
             "the GPU shapes (decode 64 x 1024, prefill 8 x 512, split-KV 2 x 16k) and the Triton kernel run on a GPU."
         )
     if not all(t.outputs_agree for t in timings if t.outputs_agree is not None):
@@ -2209,7 +2231,8 @@ def run_host(args, model_path):
     print("[host] warm-up ...", file=sys.stderr, flush=True)
     measure_decode_step(llm, 4, 32, 2)
     print(
-        f"[host] {args.num_requests} sequences x {context_len} tokens: prefill, then {HOST_DECODE_STEPS} timed decode steps ...",
+        f"[host] {args.num_requests} sequences x {context_len} tokens: "
+        f"prefill, then {HOST_DECODE_STEPS} timed decode steps ...",
         file=sys.stderr,
         flush=True,
     )
@@ -2218,10 +2241,12 @@ def run_host(args, model_path):
         for kind in HOST_OUTPUT_KINDS
     }
     print(
-        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}"
+        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']}"
     )
     print(
-        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); {args.num_requests} sequences x {context_len} context, decoding; "
+        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}); "
+        f"{args.num_requests} sequences x {context_len} context, decoding; "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
     )
     for kind, split in splits.items():
@@ -2281,7 +2306,8 @@ def build_arg_parser():
     )
     p.add_argument(
         "--systems",
-        help=f"comma-separated, from the workload's own; per workload its default (and the others it can run): {systems_help()}",
+        help="comma-separated, from the workload's own; per workload its default (and the others it can run): "
+        f"{systems_help()}",
     )
     p.add_argument(
         "--model",
@@ -2297,7 +2323,8 @@ def build_arg_parser():
         "--dtype",
         default="auto",
         choices=["auto", *nanobatch.DTYPES],
-        help="the same for nanobatch and HF; auto: the engine's rule, bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32",
+        help="the same for nanobatch and HF; auto: the engine's rule, "
+        "bfloat16 on a GPU and on CPUs with AMX or AMD AVX512-BF16, else float32",
     )
     g = p.add_argument_group("workload sizes (defaults: see below)")
     for name in ("num_requests", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len"):
@@ -2408,7 +2435,8 @@ def check_ranges(args):
         raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
     if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
         raise ValueError(
-            f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): a beam search request takes a seat per beam"
+            f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): "
+            "a beam search request takes a seat per beam"
         )
     EngineConfig(
         dtype=args.dtype,
@@ -2430,7 +2458,8 @@ def check_paths(args):
         args.vllm_python = os.path.expanduser(args.vllm_python)
         if not os.path.isfile(args.vllm_python) or not os.access(args.vllm_python, os.X_OK):
             raise ValueError(
-                f"--vllm-python {args.vllm_python} is not an executable file (the python of a virtual environment with vLLM installed)"
+                f"--vllm-python {args.vllm_python} is not an executable file "
+                "(the python of a virtual environment with vLLM installed)"
             )
     for name in ("json", "plot"):
         path = getattr(args, name)
@@ -2499,11 +2528,14 @@ def main(args):
     reference = mark_same_outputs([r for r in results if not r.skipped], runs)
 
     print(
-        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, {machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}"
+        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']}, transformers {machine['transformers']}"
     )
     print(
-        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); workload: {json.dumps(workload.describe())}; "
-        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, max_model_len {args.max_model_len or 'the model limit'}"
+        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every system); "
+        f"workload: {json.dumps(workload.describe())}; "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+        f"max_model_len {args.max_model_len or 'the model limit'}"
         + (
             " (nano-vllm's benchmark settings: the GPU defaults)"
             if device.type == "cuda" and args.workload == "random"
@@ -2523,7 +2555,8 @@ def main(args):
     )
     if on and off:
         print(
-            f"prefix caching: hit rate {on.prefix_hit_rate:.1%}, speed-up {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x (tokens/s on / off)"
+            f"prefix caching: hit rate {on.prefix_hit_rate:.1%}, "
+            f"speed-up {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x (tokens/s on / off)"
         )
     if args.json:
         write_json(args.json, machine, workload, results, extra)

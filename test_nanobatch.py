@@ -85,9 +85,9 @@ except (
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TEST_TOKENIZER = os.environ.get("NANOBATCH_TEST_TOKENIZER")  # see the default_tokenizer fixture
-CPU = dict(
-    device="cpu", dtype="float32"
-)  # engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine (test_cuda_* cover CUDA)
+# engine tests compare with HF in fp32 on the CPU (dtype "auto" may pick bf16 there), also on a GPU machine
+# (test_cuda_* cover CUDA)
+CPU = dict(device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -892,7 +892,8 @@ MIXED_LENGTHS = [5, 9, 13, 21, 30, 42, 57, 64, 77, 96, 120, 150, 190, 233, 280, 
 
 
 def test_default_model_matches_hf_transformers(default_llm, default_hf):
-    """16 prompts of 5..321 tokens in one generate call == HF greedy generate of each alone (fp32, 32 tokens, EOS ignored)."""
+    """16 prompts of 5..321 tokens in one generate call == HF greedy generate of each alone (fp32, 32 tokens, EOS
+    ignored)."""
     model, tokenizer = default_hf
     prompts = passage_prompts(tokenizer, MIXED_LENGTHS)
     outputs = default_llm.generate(prompts, SamplingParams(max_tokens=32, **GREEDY), use_tqdm=False)
@@ -1097,9 +1098,9 @@ def test_tiny_models_match_hf_transformers(tiny_models, family):
     seed=st.integers(0, 2**16),
 )
 def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
-    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary
-    embedding bit for bit (torch's roundings to bf16, done where torch does them), RMSNorm within two
-    ulps (its sum of squares adds in another order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
+    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary embedding bit for bit
+    (torch's roundings to bf16, done where torch does them), RMSNorm within two ulps (its sum of squares adds in another
+    order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
     if kernels.rms_norm_cpu(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), 1e-6) is None:
         pytest.skip("no numba: the model uses the torch ops")
     g = torch.Generator().manual_seed(seed)
@@ -1385,7 +1386,10 @@ def test_engine_freezes_the_loaded_heap_out_of_the_gc(tiny_models):
 
 
 def test_engine_import_loads_no_web_stack():
-    code = "import sys, nanobatch; assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
+    code = (
+        "import sys, nanobatch; "
+        "assert not {'fastapi', 'uvicorn', 'prometheus_client', 'server'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
 
 
@@ -1393,7 +1397,8 @@ def test_engine_import_loads_no_web_stack():
 
 
 def clearly_excluded(logits, temperature, top_k, top_p, min_p):
-    """Tokens that min-p, top-k and top-p (vLLM's order) must exclude, with a small margin against rounding at the boundary."""
+    """Tokens that min-p, top-k and top-p (vLLM's order) must exclude, with a small margin against rounding at the
+    boundary."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = probs.argsort(descending=True)
     rank = torch.empty_like(order)
@@ -2530,7 +2535,8 @@ def beam_prompts(llm, tokenizer):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_beam_search_matches_hf_on_the_default_model(folder_llm, default_hf, k):
-    """8 prompts, beam widths 2 and 4, EOS respected and ignored: the k sequences and their order == HF generate(num_beams=k)."""
+    """8 prompts, beam widths 2 and 4, EOS respected and ignored: the k sequences and their order == HF
+    generate(num_beams=k)."""
     model, tokenizer = default_hf
     prompts = beam_prompts(folder_llm, tokenizer)
     _, num_stopped = check_beams_match_hf(folder_llm, model, prompts, k, 14, ignore_eos=False)
@@ -2725,8 +2731,8 @@ def tp_workload(tokenizer):
     "family", ["odd", "qwen3-qk-norm"]
 )  # with the default model below: every sharding case, few spawns
 def test_tp2_equals_tp1(family, tp_odd_model, tiny_models, default_tokenizer):
-    """fp32 greedy: TP=2 gives TP=1's tokens, its logits within 1e-5 at every step, in a pool small enough
-    to preempt and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
+    """fp32 greedy: TP=2 gives TP=1's tokens, its logits within 1e-5 at every step, in a pool small enough to preempt
+    and with prefix caching on (odd: vocab 49153, one KV head for two ranks, tied, biases; qwen3: untied, q/k norms)."""
     folder = tp_odd_model if family == "odd" else tiny_models[family][0]
     prompts, params = tp_workload(default_tokenizer), SamplingParams(max_tokens=12, **GREEDY)
     engine = dict(num_kv_blocks=14, block_size=8, **CPU)  # the longest request needs 13
@@ -2920,8 +2926,8 @@ def test_invalid_engine_config(field, value):
 
 
 def test_engine_config_takes_vllms_spellings(tiny_models):
-    """dtype as vLLM's LLM takes it ("half", "float", a torch.dtype); trust_remote_code is taken (no model code ever runs);
-    seed None is a random seed; get_tokenizer is vLLM's name for the tokenizer."""
+    """dtype as vLLM's LLM takes it ("half", "float", a torch.dtype); trust_remote_code is taken (no model code ever
+    runs); seed None is a random seed; get_tokenizer is vLLM's name for the tokenizer."""
     for dtype, expected in (
         ("half", "float16"),
         ("float", "float32"),
@@ -2957,7 +2963,8 @@ def test_bad_input_leaves_engine_usable(tiny_llm):
         (lambda: llm.generate([""], good), "prompt 0: prompt is empty"),
         (
             lambda: llm.generate(["ok", [1] * 5000], good),
-            "prompt 1: This model's maximum context length is 1024 tokens. However, your prompt contains 5000 input tokens",
+            "prompt 1: This model's maximum context length is 1024 tokens. "
+            "However, your prompt contains 5000 input tokens",
         ),
         (lambda: llm.generate([[10**9]], good), "outside the vocabulary"),
         (lambda: llm.generate([3.5], good), "must be a string or a list of token ids"),
@@ -3104,9 +3111,9 @@ def test_allowed_token_ids_and_bad_words(tiny_llm):
 
 
 def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
-    """vLLM 0.32's LLM: generate([]) is []; a tuple of params is taken; max_tokens past max_model_len runs to the context's
-    end ("length"; its server refuses it); the tokenizer's EOS ends an output with no stop_reason even when it is in
-    stop_token_ids (vLLM checks it first); min_tokens holds EOS back under ignore_eos too; chat options named as
+    """vLLM 0.32's LLM: generate([]) is []; a tuple of params is taken; max_tokens past max_model_len runs to the
+    context's end ("length"; its server refuses it); the tokenizer's EOS ends an output with no stop_reason even when it
+    is in stop_token_ids (vLLM checks it first); min_tokens holds EOS back under ignore_eos too; chat options named as
     arguments win over chat_template_kwargs; an output that ends inside a character leaves the cut bytes out."""
     llm = LLM(model=tiny_models["llama-gqa-untied"][0], max_model_len=40, num_kv_blocks=8, **CPU)
     eos = llm.tokenizer.eos_token_id
@@ -3144,9 +3151,9 @@ def test_offline_calls_as_vllm_032_answers_them(tiny_models, default_tokenizer):
 
 
 def test_only_the_checkpoints_own_safetensors_load(tiny_models, tmp_path):
-    """A Mistral repo's layout, sharded model-*.safetensors with their index beside Mistral's own consolidated.safetensors
-    (the same weights under other names), and a LoRA adapter beside either layout: only the index's files, or
-    model.safetensors, load."""
+    """A Mistral repo's layout, sharded model-*.safetensors with their index beside Mistral's own
+    consolidated.safetensors (the same weights under other names), and a LoRA adapter beside either layout: only the
+    index's files, or model.safetensors, load."""
     from safetensors.torch import save_file
 
     folder, model = tiny_models["mistral"]
@@ -3515,7 +3522,8 @@ def _every_tile(head_dim, group, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_paged_attention_with_every_arch_tiles(head_dim, dtype, monkeypatch):
-    """Whatever tiles the heuristic picks for any arch (not only the interpreter's), the kernel gives naive attention."""
+    """Whatever tiles the heuristic picks for any arch (not only the interpreter's), the kernel gives naive
+    attention."""
     group = 4
     for phase, tiles in _every_tile(head_dim, group, dtype).items():
         for block_m, tile_n, num_warps in tiles:
@@ -3578,7 +3586,8 @@ def test_store_kv_writes_exactly_its_slots(
 # math inside, so in 16 bits a value may land one rounding step apart where a sum of squares adds in another
 # order (ULPS); the residual add and the rotary products round identically.
 
-# The interpreter rounds fp32 -> bf16 toward zero (a GPU, and torch, to nearest even), so there bf16 is a rounding apart too.
+# The interpreter rounds fp32 -> bf16 toward zero (a GPU, and torch, to nearest even), so there bf16 is a rounding
+# apart too.
 
 ULPS = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}  # relative tolerance: two roundings
 
@@ -3868,7 +3877,13 @@ def test_triton_on_cpu_without_interpreter_says_why():
 import torch, kernels
 assert kernels.USE_TRITON_ON_CPU  # from NANOBATCH_TRITON_ON_CPU=1
 try:
-    kernels.store_kv(torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16), torch.tensor([5]))
+    kernels.store_kv(
+        torch.ones(1, 1, 16),
+        torch.ones(1, 1, 16),
+        torch.zeros(2, 4, 1, 16),
+        torch.zeros(2, 4, 1, 16),
+        torch.tensor([5]),
+    )
 except RuntimeError as e:
     assert "TRITON_INTERPRET=1" in str(e), e
 else:
@@ -4092,7 +4107,11 @@ def triton_version_is(prefix):
 COMPILE_STATIC = """
 import json, sys, torch, kernels
 D = dict(fp16=torch.float16, bf16=torch.bfloat16, fp32=torch.float32)
-rows = [row for cc, dtype, head_dim, group, phase in json.loads(sys.argv[1]) for row in kernels.compile_static(cc, D[dtype], head_dim, group, phase)]
+rows = [
+    row
+    for cc, dtype, head_dim, group, phase in json.loads(sys.argv[1])
+    for row in kernels.compile_static(cc, D[dtype], head_dim, group, phase)
+]
 print(json.dumps(rows))
 """
 COMPILE_SUBSET = [
@@ -4126,14 +4145,18 @@ def test_kernels_compile_for_sm90():
     """Both kernels build for an H100 (sm_90) at the launch configs the wrappers use."""
     rows = _compile_static([(90, "fp16", 128, 4, "decode"), (90, "fp32", 24, 1, "prefill")])
     assert [r["arch"] for r in rows] == ["sm_90", "sm_90"]
-    code = "import kernels; print(kernels._compile_for(kernels._store_kv_kernel, 90, 'bf16', dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), 1))"
+    code = (
+        "import kernels; print(kernels._compile_for(kernels._store_kv_kernel, 90, 'bf16', "
+        "dict(BLOCK_SIZE=16, HEAD_DIM=80, HEAD_DIM_PADDED=128), 1))"
+    )
     result = _run_python(code, interpret=False)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 @compiles
 def test_kernels_fit_every_arch_without_spills():
-    """A representative subset of `bench.py --kernels --static`: zero spill bytes, shared memory within each arch's limit."""
+    """A representative subset of `bench.py --kernels --static`: zero spill bytes, shared memory within each arch's
+    limit."""
     rows = _compile_static(COMPILE_SUBSET)
     assert len(rows) == len(COMPILE_SUBSET) + sum(
         c[-1] == "split" for c in COMPILE_SUBSET
@@ -4662,7 +4685,8 @@ def test_generate_n_samples_and_logprobs(server):
 
 
 def test_server_beam_search(server, server_model_dir):
-    """/generate with use_beam_search returns the n beams (vLLM's demo shape); /v1/completions takes it as an extra with n beams."""
+    """/generate with use_beam_search returns the n beams (vLLM's demo shape); /v1/completions takes it as an extra
+    with n beams."""
     llm = LLM(model=server_model_dir, num_kv_blocks=64, block_size=16, **CPU)
     prompt = "The capital of France is"
     best = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0].sequences
@@ -5002,11 +5026,11 @@ def test_chat_template_options_reach_the_template(server):
 
 
 def test_requests_read_as_vllm_032_reads_them(server):
-    """Details as vLLM 0.32's OpenAI server has them: lax booleans; "model": "" is the served model; top_logprobs 0 needs no
-    logprobs; a stream cannot carry prompt logprobs (a 400, not dropped); max_completion_tokens is named in its error; the
-    response's id is the X-Request-Id header's or the body's request_id; a reply that continues the last message takes its
-    role; /tokenize's return_token_strs; echo shows each prompt token's first logprobs + 1 entries; a chat template in
-    chat_template_kwargs is refused; a prompt over max_model_len gets vLLM's context-window words."""
+    """Details as vLLM 0.32's OpenAI server has them: lax booleans; "model": "" is the served model; top_logprobs 0
+    needs no logprobs; a stream cannot carry prompt logprobs (a 400, not dropped); max_completion_tokens is named in its
+    error; the response's id is the X-Request-Id header's or the body's request_id; a reply that continues the last
+    message takes its role; /tokenize's return_token_strs; echo shows each prompt token's first logprobs + 1 entries; a
+    chat template in chat_template_kwargs is refused; a prompt over max_model_len gets vLLM's context-window words."""
     prompt = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
     assert post(server, "/v1/completions", {**prompt, "echo": "false", "ignore_eos": 1, "stream": "false"})[0] == 200
     assert post(server, "/v1/completions", {**prompt, "model": ""})[0] == 200
@@ -5433,7 +5457,8 @@ def test_n4_shares_the_prompt_blocks(server):
 
 
 def test_a_stream_cancelled_before_its_first_chunk_still_aborts():
-    """Starlette may end a stream before its body generator starts (a client gone at once): the request is aborted anyway."""
+    """Starlette may end a stream before its body generator starts (a client gone at once): the request is aborted
+    anyway."""
     import asyncio
     from server import AbortingStream
 
@@ -5957,8 +5982,8 @@ def test_framing_is_strict(server):
     assert answer.startswith(b"HTTP/1.1 400")
     answer = raw_exchange(
         server,
-        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-        % (len(body), body),
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
     )
     assert answer.startswith(b"HTTP/1.1 200")  # chunked request bodies are framed correctly
     assert engine_state(server)["output_tokens"] == before + 2
@@ -6451,7 +6476,8 @@ def test_cli_server_defaults_are_server_configs():
 
 
 def test_cli_json_schema_and_regex(tiny_models, tmp_path):
-    """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes sense of it)."""
+    """--json-schema FILE and --regex PATTERN constrain every prompt (a random tiny model: only the grammar makes
+    sense of it)."""
     folder = tiny_models["llama-gqa-untied"][0]
     (tmp_path / "prompts.txt").write_text("Hello\nThe capital of France is\n")
     (tmp_path / "schema.json").write_text(
