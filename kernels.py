@@ -1502,12 +1502,16 @@ def announce_compile(loops):
     if _announced or glob.glob(os.path.join(folder, f"{__name__}.{loops.__name__}-*.nbi")):
         return
     _announced = True
-    print(
+    message = (
         "nanobatch: compiling the CPU loops with numba, once per checkout "
-        "(up to a minute on 2 cores; later runs load them from its cache)",
-        file=sys.stderr,
-        flush=True,
+        "(up to a minute on 2 cores; later runs load them from its cache)"
     )
+    try:  # a line of its own above a progress bar that is showing (generate's), not glued to it
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stderr)
+    except ImportError:
+        print(message, file=sys.stderr, flush=True)
 
 
 _announced = False  # announce_compile has spoken

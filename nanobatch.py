@@ -3392,6 +3392,8 @@ def run_cli(args, parser):
         output = open(args.output, "w", encoding="utf-8") if args.output else None
     except OSError as e:
         raise OSError(f"--output file {args.output!r} cannot be written: {e.strerror}") from None
+    if sys.stderr.isatty():  # someone waits at a terminal: say what the seconds of silence are for
+        print(f"nanobatch: loading {args.model or 'SmolLM2-135M-Instruct (the default model)'} ...", file=sys.stderr)
     llm = LLM(
         model=args.model,
         tokenizer=args.tokenizer,

@@ -1893,8 +1893,9 @@ def check_port_free(host, port):
 
 
 def served_model_name(llm):
-    # as vLLM: the model argument as given (clients such as `vllm bench serve --model X` send X back)
-    return llm.config.model or default_model_path()
+    # as vLLM: the model argument as given (clients such as `vllm bench serve --model X` send X back); the default
+    # model by its name, not a path into site-packages
+    return llm.config.model or "SmolLM2-135M-Instruct"
 
 
 def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):

@@ -3697,6 +3697,7 @@ def test_a_decode_step_launches_at_most_ten_kernels_a_layer():
         launches["ops"]["layer"]["linear"] == 4 * bench.TINY_QWEN3_SHAPE["num_hidden_layers"]
     )  # merged qkv and gate_up
     assert launches["outside_layers"] <= 5 and not launches["host_syncs"], launches
+    assert launches["step_outside_forward"] == 1, launches["ops"]["step"]  # greedy: one argmax
     assert not kernels.USE_TRITON_ON_CPU and kernels.USE_CPU_LOOPS  # the switches are back
 
 
