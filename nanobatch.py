@@ -2096,7 +2096,8 @@ def _capture_buckets(llm):
         )
         static["meta"] = meta  # a graph reads its inputs at replay from the addresses it saw: they must outlive it
         model = functools.partial(llm.model, static["input_ids"], static["positions"], llm.layer_caches, meta)
-        run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731 (one logits buffer for all: not one per graph)
+        # one logits buffer for all the graphs, not one per graph
+        run = lambda model=model, out=logits[:b]: out.copy_(model())  # noqa: E731
         run()  # eager once first: Triton compiles its kernels for these shapes outside the capture
         graph, out = capture_graph(run, pool, stream)
         pool = graph.pool()
