@@ -375,6 +375,17 @@ def _cos_sin(rope, dtype):
     return torch.cat([cos, cos], dim=-1)[:, None].to(dtype), torch.cat([sin, sin], dim=-1)[:, None].to(dtype)
 
 
+def _step_cos_sin(rope, dtype):
+    """_cos_sin, made once a step on the CPU path: every layer of a step rotates by the same rope rows (the one
+    tensor Model.forward gathered), and 4 small ops a layer would cost a CPU decode step ~4%."""
+    if _STEP_COS_SIN[0] is not rope or _STEP_COS_SIN[1] != dtype:  # (held, so a new step's rows are another tensor)
+        _STEP_COS_SIN[:] = rope, dtype, _cos_sin(rope, dtype)
+    return _STEP_COS_SIN[2]
+
+
+_STEP_COS_SIN = [None, None, None]  # the last step's (rope rows, dtype, (cos, sin))
+
+
 def _rotate(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -1264,7 +1275,7 @@ def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
         return rotary_triton(q, k, rope, q_norm, k_norm, eps)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    cos, sin = _cos_sin(rope, q.dtype)  # (T, 1, D) each
+    cos, sin = _step_cos_sin(rope, q.dtype)  # (T, 1, D) each
     rotated = [rotary_cpu(x, cos, sin) for x in (q, k)]  # None where the loops do not run
     return tuple(_rotate(x, cos, sin) if r is None else r for x, r in zip((q, k), rotated))
 
