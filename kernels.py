@@ -1341,6 +1341,7 @@ class DecodeRows:
     heads_per_job: (
         int  # kv heads per job: all of them (a job per sequence), or 1 when there are fewer sequences than threads
     )
+    num_keys: int  # keys of all the rows together (the loops' work: num_keys x heads x head_dim multiply-adds)
 
 
 @dataclass
@@ -1364,6 +1365,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
                 block_tables[idx].numpy(),
                 seq_lens[idx].numpy(),
                 heads_per_job,
+                sum(lens[i] for i in decode),
             )
         )
         return plan
@@ -1410,6 +1412,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
             every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
             o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
             loops(
+                g.num_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
                 (q if every_row else q[g.rows]).float().numpy(),
                 k_cache.view(bits).numpy(),
                 v_cache.view(bits).numpy(),
@@ -1491,11 +1494,18 @@ def _compile(loops, probe, what, fallback):
         warnings.warn(f"kernels: {what} ({type(e).__name__}: {e}); {fallback}")
         return None
 
-    def run(*args):
-        numba.set_num_threads(_loop_threads())  # per calling thread
+    def run(work, *args):
+        """work: the call's elements or multiply-adds; a small call runs on the calling thread alone."""
+        numba.set_num_threads(_loop_threads() if work >= LOOP_MIN_WORK else 1)  # per calling thread
         compiled(*args)
 
     return run
+
+
+# Below this much work (elements or multiply-adds: torch's own grain size) a loop runs on the calling thread.
+# Waking numba's other threads costs ~20 us a call on an idle machine, and where another process holds one of
+# their cores the call waits for that thread's turn (milliseconds); one decode row's norm or rotary takes ~1 us.
+LOOP_MIN_WORK = 32768
 
 
 def _loop_threads():
@@ -1658,7 +1668,7 @@ def argmax_rows(logits):
     if loops is None:
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    loops(logits.contiguous().view(torch.int16).numpy(), out.numpy())
+    loops(logits.numel(), logits.contiguous().view(torch.int16).numpy(), out.numpy())
     return out
 
 
@@ -1713,7 +1723,8 @@ def rms_norm_cpu(x, weight, eps):
         return None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
-    loops(x2.view(torch.int16).numpy(), weight.view(torch.int16).numpy(), eps, out.view(torch.int16).numpy())
+    x_bits, weight_bits, out_bits = (t.view(torch.int16).numpy() for t in (x2, weight, out))
+    loops(x2.numel(), x_bits, weight_bits, eps, out_bits)
     return out.view(x.shape)
 
 
@@ -1734,7 +1745,7 @@ def rotary_cpu(x, cos, sin):
         t.contiguous().view(torch.int16).numpy()
         for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
     ]
-    loops(*bits, out.view(torch.int16).numpy())
+    loops(x.numel(), *bits, out.view(torch.int16).numpy())
     return out
 
 

@@ -968,6 +968,7 @@ class LLM:
         self.fast_paths = True  # Part II's packing and sampler (False: Part I's plain code; the same results)
         self.block_tables = BlockTables(c.max_num_seqs, -(-self.max_model_len // c.block_size))  # hook (host-speed)
         self.pinned_copy = PinnedCopy(self.device)  # hook (host-speed habits): a step's inputs in one copy on a GPU
+        self.cpu_threads = CpuThreads() if self.device.type == "cpu" else None  # hook (CPU threads)
         self.cuda_graphs = capture_cuda_graphs(self)  # hook (CUDA graphs): None, or a graph per decode batch size
         freeze_gc_heap()  # hook (host-speed habits): no full-heap GC scans inside the step loop
         if self.tp is not None:
@@ -1093,6 +1094,8 @@ class LLM:
         """One iteration of continuous batching, steps 1-8 (a hook runs a plug-in of Part II, where its feature is in
         use): returns an output for every request that got a token (or ended) in this step."""
         batch = self.scheduler.schedule()  # 1. who runs this step, with how many tokens each
+        if self.cpu_threads is not None:  # hook (CPU threads): as many as the cores other processes leave
+            self.cpu_threads.update()
         if not batch.seqs:
             return self.pending.collect(self._make_output)  # hook (Outputs): the final outputs of aborted requests
         for src, dst in batch.block_copies:  # 2. copy-on-write of shared partial blocks, every layer's K and V
@@ -2293,6 +2296,53 @@ def freeze_gc_heap():
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # (registered once, however many engines are made)
     atexit.register(gc.unfreeze)
+
+
+# ---- CPU threads: the cores other processes leave ----
+
+
+class CpuThreads:
+    """On a CPU, the engine's threads (torch's, which numba's loops follow) are the cores other processes leave
+    it. Every INTERVAL seconds a step reads the CPU time the others took meanwhile (the busy time of this
+    process's cores in /proc/stat, less this process's own), in cores, rounded, and takes that many threads off
+    the number it started with (torch's: every core, or what the user set). A thread whose core another process
+    holds runs only in that core's time slices, and every parallel region (each matmul) waits for it."""
+
+    INTERVAL = 0.5  # seconds between readings
+    ours = None  # (the threads torch had, the count last set here): a later engine starts from the first
+
+    def __init__(self):
+        now, ours = torch.get_num_threads(), CpuThreads.ours
+        self.max_threads = ours[0] if ours and ours[1] == now else now  # (now: torch's default, or the user's)
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self.last = self.reading()
+
+    def reading(self):
+        return time.monotonic(), cpu_busy_seconds(self.cores), time.process_time()
+
+    def update(self):
+        if self.last[1] is None or time.monotonic() - self.last[0] < self.INTERVAL:
+            return  # (not Linux: the threads stay as they are)
+        (t0, busy0, own0), (t, busy, own) = self.last, self.reading()
+        self.last = (t, busy, own)
+        others = max(0.0, (busy - busy0) - (own - own0)) / (t - t0)  # cores' worth of other processes' work
+        threads = max(1, self.max_threads - int(others + 0.5))
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            CpuThreads.ours = (self.max_threads, threads)
+
+
+def cpu_busy_seconds(cores=None):
+    """Seconds the given CPUs (all: None) have been busy since boot, by /proc/stat; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu")]
+    except OSError:
+        return None
+    wanted = {"cpu"} if cores is None else {f"cpu{i}" for i in cores}
+    # user, nice, system, idle, iowait, irq, softirq: all but idle and iowait are busy
+    busy = sum(sum(map(int, f[1:4])) + sum(map(int, f[6:8])) for f in lines if f[0] in wanted)
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 # ---- Sampler speed: row groups, rejection top-p, a CPU greedy ----

@@ -4031,6 +4031,7 @@ def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size,
     for heads_per_job in [h for h in range(num_kv_heads, 0, -1) if num_kv_heads % h == 0]:
         out = torch.empty_like(q, dtype=torch.float32)
         loops(
+            kernels.LOOP_MIN_WORK,  # (as a large call: on every thread)
             q.float().numpy(),
             k_cache.view(bits).numpy(),
             v_cache.view(bits).numpy(),
@@ -4066,6 +4067,57 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
         torch.testing.assert_close(
             kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5
         )
+
+
+def test_cpu_loops_give_the_same_results_on_the_calling_thread_and_on_all(monkeypatch):
+    """A call below LOOP_MIN_WORK runs on the calling thread alone; its results are those of all threads."""
+    if kernels._decode_loops(torch.bfloat16) is None:
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(7, 96, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    heads, cos_sin = torch.randn(7, 3, 32, generator=g).bfloat16(), torch.randn(7, 1, 32, generator=g).bfloat16()
+    args, _ = build(Case([(40, 1), (9, 1), (23, 1)], 4, 2, 2, 16, torch.bfloat16, seed=3), "cpu")
+    results = []
+    for min_work in (0, 1 << 40):  # every call on all threads, then every call on the calling thread
+        monkeypatch.setattr(kernels, "LOOP_MIN_WORK", min_work)
+        results.append(
+            (
+                kernels.rms_norm_cpu(x, w, 1e-6),
+                kernels.rotary_cpu(heads, cos_sin, cos_sin.flip(-1)),
+                kernels.argmax_rows(x),
+                kernels.paged_attention_cpu(*args),
+            )
+        )
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_cpu_threads_leave_the_cores_other_processes_take(monkeypatch):
+    """CpuThreads: another process's core's worth of CPU time takes one thread off, and gives it back when it
+    stops; a later engine starts from the threads torch had, not from the count set here."""
+    clock, busy, own = [100.0], [0.0], [0.0]
+    monkeypatch.setattr(nanobatch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(nanobatch.time, "process_time", lambda: own[0])
+    monkeypatch.setattr(nanobatch, "cpu_busy_seconds", lambda cores=None: busy[0])
+    monkeypatch.setattr(nanobatch.CpuThreads, "ours", None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threads = nanobatch.CpuThreads()
+
+        def run(seconds, others, engine):  # seconds of steps, with `others` cores busy elsewhere
+            clock[0] += seconds
+            busy[0] += (others + engine) * seconds
+            own[0] += engine * seconds
+            threads.update()
+            return torch.get_num_threads()
+
+        assert run(0.1, 1.0, 1.0) == 2  # (readings INTERVAL seconds apart: not yet)
+        assert run(0.5, 0.9, 1.1) == 1  # another process took about a core: one thread
+        assert run(0.5, 0.2, 1.0) == 2  # a fifth of a core: the threads come back
+        run(0.5, 1.0, 1.0)
+        assert torch.get_num_threads() == 1 and nanobatch.CpuThreads().max_threads == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_attention_plan_per_engine_step(tiny_llm, monkeypatch):
