@@ -123,6 +123,9 @@ USE_TRITON_ON_CPU = os.environ.get("NANOBATCH_TRITON_ON_CPU", "0") == "1"
 # The CPU path's decode attention, greedy argmax, RMSNorm and rotary embedding as compiled loops (numba,
 # when installed) rather than torch ops. Set it here, or start with NANOBATCH_CPU_LOOPS=0 to use the torch ops.
 USE_CPU_LOOPS = os.environ.get("NANOBATCH_CPU_LOOPS", "1") == "1"
+# A bf16 model loaded on a CPU from a GGUF file keeps its Q4_1 weights in 4 bits too, for steps of a few rows
+# (attach_int4). Set it here before loading, or start with NANOBATCH_CPU_INT4=0, for the bf16 weights alone.
+USE_CPU_INT4 = os.environ.get("NANOBATCH_CPU_INT4", "1") == "1"
 # Whether the kernels below were decorated as interpreted (CPU) functions.
 TRITON_INTERPRET = _TRITON_IMPORT_ERROR is None and os.environ.get("TRITON_INTERPRET", "0").lower() in (
     "1",
@@ -1894,6 +1897,52 @@ def pack_linears_cpu(model):
         w = packed if m is first else torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
         m.weight = torch.nn.Parameter(w, requires_grad=False)
         m.__class__ = PackedLinear
+
+
+# ---- The CPU path: a GGUF's 4-bit weights, for small batches ----
+# A decode step of a few sequences reads every weight once per step: its matmuls run at the memory's speed, and
+# a weight in 4 bits is a quarter of the bytes of bf16. A GGUF's Q4_1 blocks (32 weights: 4-bit q, a scale d and
+# a minimum m, w = q * d + m) fit torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d,
+# zero = m + 8 * d, each stored as bf16 beside the bf16 activations (its fast form). Only up to INT4_MAX_ROWS
+# rows: from there on oneDNN's packed bf16 matmul, whose work per weight read is cheaper, is faster.
+
+INT4_MAX_ROWS = 8
+Q4_1_BLOCK = 32
+
+
+def q4_1_parts(raw, shape):
+    """A Q4_1 tensor's raw bytes (rows, blocks * 20) -> (q, d, m): q (rows, cols) uint8 in 0..15, d and m
+    (rows, blocks) fp32 (exactly the file's fp16 values). A block is d, m (fp16 each), then 16 bytes whose low
+    nibbles are its weights 0-15 and high nibbles its weights 16-31."""
+    blocks = torch.from_numpy(np.asarray(raw)).reshape(shape[0], -1, 20)
+    d, m = (blocks[..., i : i + 2].contiguous().view(torch.float16)[..., 0].float() for i in (0, 2))
+    nibbles = blocks[..., 4:]
+    return torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(shape), d, m
+
+
+class Int4Linear(PackedLinear):
+    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows."""
+
+    def forward(self, x):
+        if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
+            return super().forward(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4, Q4_1_BLOCK, self.int4_scales)
+        return y if self.bias is None else y + self.bias
+
+
+def attach_int4(linear, q, d, m):
+    """Give a bf16 PackedLinear the 4-bit copy of its weight, from q (out, in) in 0..15 and d, m (out, in / 32)
+    fp32, if this torch has the int4 CPU matmul; returns whether it did."""
+    if not USE_CPU_INT4 or type(linear) is not PackedLinear or linear.weight.dtype != torch.bfloat16:
+        return False
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    except (AttributeError, RuntimeError):
+        return False
+    linear.int4 = packed
+    linear.int4_scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (in/32, out, 2)
+    linear.__class__ = Int4Linear
+    return True
 
 
 def _agrees(got, want):

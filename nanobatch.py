@@ -819,7 +819,9 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         if os.path.isfile(tokenizer_path)
         else AutoTokenizer.from_pretrained(tokenizer_path)
     )
-    state = gguf_weights(*gguf, cfg) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
+    on_cpu = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and tp is None and kernels.USE_CPU_INT4
+    quantized = {} if gguf and on_cpu else None  # hook (CPU 4-bit weights): a GGUF's Q4_1 tensors, as they are
+    state = gguf_weights(*gguf, cfg, quantized) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop(
         "rope_freqs.weight", None
     )  # a GGUF's Llama 3 rope scaling, as llama.cpp keeps it: a divisor per rotary pair
@@ -853,6 +855,8 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
     if tp is not None:
         tp.parallelize(model, cfg)  # hook (tp.py): the all-reduces and the logits gather
     kernels.pack_linears_cpu(model)  # a CPU: weights in oneDNN's layout, once; elsewhere nothing
+    if quantized:  # hook (CPU 4-bit weights): small steps read the GGUF's 4-bit weights
+        attach_gguf_int4(model, quantized, cfg)
     return model, tokenizer, cfg, hf_config
 
 
@@ -1821,6 +1825,7 @@ def gguf_config(meta, tensors):
     )
 
 
+GGUF_Q4_1 = 3  # ggml's type number of Q4_1 (4-bit weights in blocks of 32, a scale and a minimum each)
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -1840,10 +1845,10 @@ GGUF_NAMES = {
 }  # llama.cpp's tensor names -> HF's
 
 
-def gguf_weights(meta, tensors, cfg):
+def gguf_weights(meta, tensors, cfg, quantized=None):
     """A GGUF's weights dequantized to fp32 under HF's names (Llama 3's rope_freqs as is: load_model gives it to the
     rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows:
-    undone here."""
+    undone here. quantized: a dict, given, receives each Q4_1 tensor's (q, d, m) too (kernels.q4_1_parts)."""
     import gguf as gguf_lib
     import numpy as np
 
@@ -1855,14 +1860,15 @@ def gguf_weights(meta, tensors, cfg):
             values = (
                 values.copy() if np.may_share_memory(values, raw) else values
             )  # an F32 tensor is a view of the file: no parameter may live in its map
-            w = torch.from_numpy(values).reshape(shape)
+            ws = [torch.from_numpy(values).reshape(shape)]  # the weight, and its Q4_1 parts where `quantized` asks
+            ws += list(kernels.q4_1_parts(raw, shape)) if quantized is not None and kind == GGUF_Q4_1 else []
             if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
-                w = (
-                    w.reshape(cfg.num_heads if part == "attn_q" else cfg.num_kv_heads, -1, 2, *shape[1:])
-                    .transpose(1, 2)
-                    .reshape(shape)
-                )
-            state[(layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix] = w
+                heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
+                ws = [w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape) for w in ws]
+            hf_name = (layer or "").replace("blk.", "model.layers.") + GGUF_NAMES[part] + "." + suffix
+            state[hf_name] = ws[0]
+            if len(ws) > 1:
+                quantized[hf_name] = ws[1:]
     return state
 
 
@@ -2296,6 +2302,19 @@ def freeze_gc_heap():
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # (registered once, however many engines are made)
     atexit.register(gc.unfreeze)
+
+
+# ---- CPU 4-bit weights: a GGUF's Q4_1 tensors for small steps ----
+
+
+def attach_gguf_int4(model, quantized, cfg):
+    """load_model's hook on a CPU in bf16: each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
+    copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
+    gate/up stacked as the bf16 weights are (merge_projections). The lm_head (a Q8_0 or tied embedding) stays."""
+    q, d, m = (merge_projections({name: parts[i] for name, parts in quantized.items()}, cfg) for i in range(3))
+    for name, linear in model.named_modules():
+        if name + ".weight" in q:
+            kernels.attach_int4(linear, q[name + ".weight"], d[name + ".weight"], m[name + ".weight"])
 
 
 # ---- CPU threads: the cores other processes leave ----

@@ -949,9 +949,10 @@ def test_gguf_reader_rejects_other_files(tmp_path):
         LLM(model=str(fake))
 
 
-def write_gguf(path, model, arch="llama", meta=(), tensors=()):
+def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False):
     """An HF model as llama.cpp's converter writes it, in F32: its key and tensor names, a llama's q and k rows (and
-    biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given."""
+    biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given.
+    q4_1: the layers' matrices quantized to Q4_1, as SmolLM2's file has them."""
     import gguf
     import numpy as np
 
@@ -992,9 +993,12 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=()):
                 .swapaxes(1, 2)
                 .reshape(t.shape)
             )
-        writer.add_tensor(
-            ("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}", np.ascontiguousarray(t)
-        )
+        name = ("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}"
+        if q4_1 and layer is not None and t.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(t))
     for name, t in dict(tensors).items():
         writer.add_tensor(name, t)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
@@ -1026,6 +1030,66 @@ def test_gguf_of_a_tiny_model_matches_hf(family, tiny_models, default_tokenizer,
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 150)]
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16), f"{family}, prompt of {len(prompt)} tokens"
+
+
+def test_q4_1_parts_are_the_blocks_gguf_dequantizes():
+    """kernels.q4_1_parts: q * d + m is, exactly, what gguf's own dequantize makes of a Q4_1 tensor's bytes."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType.Q4_1
+    values = np.random.default_rng(0).normal(0, 0.3, (6, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(values, kind)
+    q, d, m = kernels.q4_1_parts(raw, (6, 96))
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (6, 3)
+    w = q.view(6, 3, 32).float() * d[..., None] + m[..., None]
+    assert torch.equal(w.view(6, 96), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias"])
+def test_a_q4_1_gguf_in_bf16_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
+    family, tiny_models, default_tokenizer, tmp_path, monkeypatch
+):
+    """A GGUF's Q4_1 matrices loaded in bf16 on a CPU: every layer's linear gets a 4-bit copy (rows in HF's order,
+    q/k/v and gate/up stacked as the bf16 weight: each column read through the int4 matmul is the bf16 weight's,
+    within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows; the lm_head
+    stays bf16; greedy tokens equal those of the same file without the copies (NANOBATCH_CPU_INT4=0)."""
+    model = (
+        tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
+    )
+    path = write_gguf(tmp_path / "tiny-q4_1.gguf", model, q4_1=True)
+    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
+    llm = LLM(model=path, num_kv_blocks=64, device="cpu", dtype="bfloat16")
+    cfg = llm.model_config
+    linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + ["PackedLinear"]
+    for linear in linears[:-1]:
+        columns = torch.eye(linear.in_features, dtype=torch.bfloat16)
+        for rows in columns.split(kernels.INT4_MAX_ROWS):
+            got, want = linear(rows).float(), kernels.PackedLinear.forward(linear, rows).float()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        many = torch.randn(kernels.INT4_MAX_ROWS + 1, linear.in_features).bfloat16()
+        assert torch.equal(linear(many), kernels.PackedLinear.forward(linear, many))  # more rows: the bf16 weights
+    rng = random.Random(family)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 40)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    small_calls = []
+    monkeypatch.setattr(kernels.Int4Linear, "forward", spy(kernels.Int4Linear.forward, small_calls))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert any(x.shape[0] <= kernels.INT4_MAX_ROWS for _, x in small_calls)
+    monkeypatch.setattr(kernels, "USE_CPU_INT4", False)
+    plain = LLM(model=path, num_kv_blocks=64, device="cpu", dtype="bfloat16")
+    assert all(type(m) is kernels.PackedLinear for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [t[:5] for t in got] == [t[:5] for t in want]  # (then bf16 near-ties may part them)
+
+
+def spy(fn, calls):
+    def wrapper(*args):
+        calls.append(args)
+        return fn(*args)
+
+    return wrapper
 
 
 def test_gguf_files_nanobatch_cannot_run_get_a_clear_error(tiny_models, tmp_path):
