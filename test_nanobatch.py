@@ -6221,6 +6221,14 @@ def bench_cli(capsys, *argv):
         ),
         (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
         (
+            ["--llamacpp-python", "/no/such/python", "--systems", "llamacpp"],
+            "--llamacpp-python /no/such/python is not an executable file",
+        ),
+        (
+            ["--llamacpp-python", sys.executable],
+            "--llamacpp-python runs the llamacpp system, which this run does not include",
+        ),
+        (
             ["--json", "/no/such/folder/out.json"],
             "--json /no/such/folder/out.json: the folder /no/such/folder does not exist",
         ),
@@ -6261,6 +6269,7 @@ def test_bench_checks_the_lengths_each_workload_reads():
     "systems,reason",
     [
         ("vllm", "vllm: skipped: no --vllm-python given"),
+        ("llamacpp", "llamacpp: skipped: no --llamacpp-python given"),
         ("hf-generate", "hf-generate: skipped: could not load the model in transformers: "),
     ],
 )
@@ -6278,6 +6287,76 @@ def test_bench_prints_why_no_system_ran(tmp_path, systems, reason):
         r.stderr.strip().splitlines()[-1] == "error: no system ran (each one's reason is above)"
         and "Traceback" not in r.stderr
     ), r.stderr
+
+
+FAKE_LLAMA_CPP = """
+import numpy as np
+# a stand-in for llama_cpp's low-level API: a model whose greedy next token is (token + position) % vocab,
+# a KV pool that checks every sequence's positions arrive in order and that no batch passes n_batch
+VOCAB, STATE = 97, {}
+
+class Batch:
+    def __init__(self, n):
+        self.n_tokens, self.token, self.pos, self.n_seq_id, self.logits = 0, [0] * n, [0] * n, [0] * n, [0] * n
+        self.seq_id = [[0] for _ in range(n)]
+
+class Params:
+    pass
+
+def llama_backend_init(): pass
+def llama_model_default_params(): return None
+def llama_model_load_from_file(path, params): return "model"
+def llama_model_get_vocab(model): return "vocab"
+def llama_vocab_n_tokens(vocab): return VOCAB
+def llama_max_parallel_sequences(): return 4
+def llama_context_default_params(): return Params()
+def llama_init_from_model(model, params):
+    STATE.update(params=params, seqs={}, steps=0)
+    return "ctx"
+def llama_get_memory(ctx): return "mem"
+def llama_memory_clear(mem, data): STATE["seqs"].clear()
+def llama_batch_init(n, embd, seqs): return Batch(n)
+def llama_batch_free(batch): pass
+def llama_memory_seq_rm(mem, seq, p0, p1): STATE["seqs"].pop(seq)
+def llama_decode(ctx, batch):
+    assert batch.n_tokens <= STATE["params"].n_batch and len(STATE["seqs"]) <= STATE["params"].n_seq_max
+    STATE["out"], STATE["steps"] = {}, STATE["steps"] + 1
+    for j in range(batch.n_tokens):
+        seq = batch.seq_id[j][0]
+        assert batch.pos[j] == STATE["seqs"].get(seq, 0), "positions in order, from 0"
+        STATE["seqs"][seq] = batch.pos[j] + 1
+        if batch.logits[j]:
+            row = np.zeros(VOCAB, np.float32)
+            row[(batch.token[j] + batch.pos[j]) % VOCAB] = 1.0
+            STATE["out"][j] = row
+    return 0
+def llama_get_logits_ith(ctx, j):
+    ctypes = np.ctypeslib.ctypes
+    return STATE["out"][j].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+"""
+
+
+def test_bench_llamacpp_script_batches_every_running_sequence(tmp_path):
+    """LLAMACPP_SCRIPT against a stand-in llama_cpp: more requests than seats and prompts longer than the step
+    budget; every request gets its greedy tokens, positions arrive in order, no batch passes the budget."""
+    import bench
+
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(9)]
+    lens = [rng.randint(1, 6) for _ in prompts]
+    job = dict(model="m.gguf", n_ctx=512, max_num_seqs=8, max_num_batched_tokens=16, threads=1)
+    (tmp_path / "job.json").write_text(json.dumps(dict(job, warmup=[[[1, 2]], [2]], workload=[prompts, lens])))
+    (tmp_path / "run.py").write_text(bench.LLAMACPP_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=".")
+    subprocess.run([sys.executable, "run.py", "job.json", "out.json"], cwd=tmp_path, check=True, env=env)
+    got = json.loads((tmp_path / "out.json").read_text())["output_ids"]
+    for prompt, n, out in zip(prompts, lens, got):
+        want, tokens = [], list(prompt)
+        for _ in range(n):
+            tokens.append((tokens[-1] + len(tokens) - 1) % 97)
+            want.append(tokens[-1])
+        assert out == want
 
 
 def test_bench_same_out_compares_with_the_first_greedy_system():
