@@ -1198,55 +1198,60 @@ def run_vllm(args, model_path, workload, device, results, runs):
         model = hf_folder(model_path, folder)
         vocab_size = AutoConfig.from_pretrained(model).vocab_size
         workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
-        job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_vllm.py"))
-        with open(job, "w") as f:
-            engine = dict(
-                model=model,
-                dtype=args.dtype,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len,
-                seed=0,
-            )
+        engine = dict(
+            model=model,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            seed=0,
+        )
+        env = vllm_env(args.vllm_python) if device.type == "cpu" else None
+        run_script("vllm", args.vllm_python, VLLM_SCRIPT, dict(engine=engine), warmup, workload, results, runs, env)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return workload
+
+
+def run_script(name, python, script, job, warmup, workload, results, runs, env=None, quiet=False):
+    """Another engine's script run by its own python (in a temporary folder): it reads the job (with the warm-up
+    and the workload's token ids) and writes the seconds of the workload and its output token ids, which become
+    the system's row. quiet: its messages are kept, and shown only if it fails."""
+    folder = tempfile.mkdtemp(prefix=f"bench-{name}-")
+    try:
+        paths = [os.path.join(folder, f) for f in ("job.json", "result.json", f"run_{name}.py")]
+        with open(paths[0], "w") as f:
             json.dump(
-                {
-                    "engine": engine,
-                    "warmup": [warmup.prompts, warmup.output_lens],
-                    "workload": [workload.prompts, workload.output_lens],
-                },
+                dict(
+                    job, warmup=[warmup.prompts, warmup.output_lens], workload=[workload.prompts, workload.output_lens]
+                ),
                 f,
             )
-        with open(script, "w") as f:
-            f.write(VLLM_SCRIPT)
+        with open(paths[2], "w") as f:
+            f.write(script)
         print(
-            f"[vllm] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...",
+            f"[{name}] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output tokens ...",
             file=sys.stderr,
             flush=True,
         )
-        with MachineLoad() as load:  # (vLLM's warm-up inside: its share is its own, its children's CPU time)
+        with MachineLoad() as load:  # (the warm-up inside: its share is its own, its children's CPU time)
             done = subprocess.run(
-                [args.vllm_python, script, job, result],
-                env=vllm_env(args.vllm_python) if device.type == "cpu" else None,
+                [python, paths[2], paths[0], paths[1]], env=env, stderr=subprocess.PIPE if quiet else None, text=True
             )
         if done.returncode != 0:
+            print(done.stderr[-3000:] if quiet else "", file=sys.stderr)
             results.append(
-                SystemResult(
-                    "vllm", skipped=f"{args.vllm_python} exited with status {done.returncode} (its messages are above)"
-                )
+                SystemResult(name, skipped=f"{python} exited with status {done.returncode} (its messages are above)")
             )
-            return workload
-        with open(result) as f:
+            return
+        with open(paths[1]) as f:
             out = json.load(f)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"[vllm] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
-    results.append(
-        SystemResult(
-            "vllm", out["seconds"], sum(map(len, out["output_ids"])), load=load.averages, others_cores=load.others_cores
-        )
-    )
+    print(f"[{name}] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
+    tokens = sum(map(len, out["output_ids"]))
+    results.append(SystemResult(name, out["seconds"], tokens, load=load.averages, others_cores=load.others_cores))
     runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
-    return workload
 
 
 # ---- llama.cpp ----
@@ -1349,57 +1354,14 @@ def run_llamacpp(args, model_path, workload, device, results, runs):
         return workload
     vocab_size = nanobatch.gguf_config(*nanobatch.read_gguf(model_path)).vocab_size
     workload, warmup = workload or make_workload(args, vocab_size), warmup_workload(vocab_size)
-    folder = tempfile.mkdtemp(prefix="bench-llamacpp-")
-    try:
-        job, result, script = (os.path.join(folder, name) for name in ("job.json", "result.json", "run_llamacpp.py"))
-        budget = args.max_num_batched_tokens or max(2048, max(map(len, workload.prompts)))
-        with open(job, "w") as f:
-            json.dump(
-                {
-                    "model": os.path.abspath(model_path),
-                    "n_ctx": max(kv_cells(workload, args.max_num_seqs), kv_cells(warmup, args.max_num_seqs)),
-                    "max_num_seqs": args.max_num_seqs,
-                    "max_num_batched_tokens": budget,
-                    "threads": len(os.sched_getaffinity(0)),
-                    "warmup": [warmup.prompts, warmup.output_lens],
-                    "workload": [workload.prompts, workload.output_lens],
-                },
-                f,
-            )
-        with open(script, "w") as f:
-            f.write(LLAMACPP_SCRIPT)
-        print(
-            f"[llamacpp] warm-up, then {len(workload.prompts)} requests, {workload.num_output_tokens} output "
-            "tokens ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        with MachineLoad() as load:  # llama.cpp's own messages (a page of them) kept for a failure to show
-            done = subprocess.run([args.llamacpp_python, script, job, result], stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            results.append(
-                SystemResult(
-                    "llamacpp",
-                    skipped=f"{args.llamacpp_python} exited with status {done.returncode} (its last messages above)",
-                )
-            )
-            return workload
-        with open(result) as f:
-            out = json.load(f)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    print(f"[llamacpp] {out['seconds']:.1f} s", file=sys.stderr, flush=True)
-    results.append(
-        SystemResult(
-            "llamacpp",
-            out["seconds"],
-            sum(map(len, out["output_ids"])),
-            load=load.averages,
-            others_cores=load.others_cores,
-        )
-    )
-    runs.append(Run(output_ids=out["output_ids"], seconds=out["seconds"]))
+    job = dict(
+        model=os.path.abspath(model_path),
+        n_ctx=max(kv_cells(workload, args.max_num_seqs), kv_cells(warmup, args.max_num_seqs)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max(map(len, workload.prompts))),
+        threads=len(os.sched_getaffinity(0)),
+    )  # (llama.cpp prints a page of messages: shown only if it fails)
+    run_script("llamacpp", args.llamacpp_python, LLAMACPP_SCRIPT, job, warmup, workload, results, runs, quiet=True)
     return workload
 
 
