@@ -1997,12 +1997,7 @@ class MachineLoad:
 
     @staticmethod
     def machine_busy():
-        try:
-            with open("/proc/stat") as f:
-                user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-        except (OSError, ValueError):
-            return None  # not Linux: the load averages only
-        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        return nanobatch.cpu_busy_seconds()  # None where /proc/stat cannot be read: the load averages only
 
     @staticmethod
     def own_cpu():
