@@ -1257,15 +1257,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """rms_norm_ref's contract: the normalised rows, or with residual (normed rows, x + residual). On Triton the
-    add is written into residual in place; on a CPU, bf16 rows go to the compiled loops (rms_norm_cpu)."""
+    """rms_norm_ref's contract: the normalised rows, or with residual (normed rows, x + residual), the add
+    written into residual in place (Triton, and the CPU's compiled loops over bf16: rms_norm_cpu)."""
     if _use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
-    if residual is not None:
-        x = residual = x + residual
-    out = rms_norm_cpu(x, weight, eps)  # None where the loops do not run
-    out = rms_norm_ref(x, weight, eps) if out is None else out
-    return out if residual is None else (out, residual)
+    out = rms_norm_cpu(x, weight, eps, residual)  # None where the loops do not run
+    return rms_norm_ref(x, weight, eps, residual) if out is None else out
 
 
 def silu_and_mul(gate_up):
@@ -1278,9 +1275,27 @@ def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
         return rotary_triton(q, k, rope, q_norm, k_norm, eps)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    out = rotary_cpu(q, k, rope)  # None where the loops do not run
+    if out is not None:
+        return out
     cos, sin = _step_cos_sin(rope, q.dtype)  # (T, 1, D) each
-    rotated = [rotary_cpu(x, cos, sin) for x in (q, k)]  # None where the loops do not run
-    return tuple(_rotate(x, cos, sin) if r is None else r for x, r in zip((q, k), rotated))
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rotary_and_store(q, k, v, rope, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
+    """rotary, then store_kv of the rotated k and v -> the rotated q. On a CPU, bf16 runs as one compiled loop
+    (rotary_cpu with the caches: each rotated k row goes straight to its slot)."""
+    if not _use_triton(q):
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+            q_norm = k_norm = None
+        _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        out = rotary_cpu(q, k, rope, store=(v, k_cache, v_cache, slot_mapping))  # None where the loops do not run
+        if out is not None:
+            return out
+    q, k = rotary(q, k, rope, q_norm, k_norm, eps)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
@@ -1338,7 +1353,7 @@ class DecodeGroup:
 class DecodeRows:
     """The compiled loops' inputs: numpy views, made once per step."""
 
-    rows: torch.Tensor  # (n,) int64: the decode sequences' q rows
+    rows: object  # (n,) int64 numpy array: the decode sequences' q rows
     block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
     seq_lens: object  # (n,) int32 numpy array: their lengths
     heads_per_job: (
@@ -1364,7 +1379,7 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
         heads_per_job = num_kv_heads if len(decode) >= _loop_threads() else 1
         plan.decode.append(
             DecodeRows(
-                torch.tensor([starts[i] for i in decode]),
+                np.array([starts[i] for i in decode], np.int64),
                 block_tables[idx].numpy(),
                 seq_lens[idx].numpy(),
                 heads_per_job,
@@ -1410,26 +1425,22 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     for g in plan.decode:
-        if isinstance(g, DecodeRows):  # the compiled loops: the caches as their bits, no copy
+        if isinstance(g, DecodeRows):  # the compiled loops: q, the caches and out as their bits, no copy
             bits, shift = LOOP_DTYPES[k_cache.dtype]
-            every_row = len(g.rows) == len(q)  # a decode-only step: no gather of q, no scatter into out
-            o = torch.empty(len(g.rows), num_heads, head_dim)  # (n, H, D) fp32
+            o = out if out.is_contiguous() else torch.empty_like(q)
             loops(
                 g.num_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
-                (q if every_row else q[g.rows]).float().numpy(),
-                k_cache.view(bits).numpy(),
-                v_cache.view(bits).numpy(),
+                *(t.view(bits).numpy() for t in (q.contiguous(), k_cache, v_cache)),
                 shift,
                 g.heads_per_job,
+                g.rows,
                 g.block_tables,
                 g.seq_lens,
                 scale,
-                o.numpy(),
+                o.view(bits).numpy(),
             )
-            if every_row:
-                out.copy_(o)
-            else:
-                out.index_copy_(0, g.rows, o.to(q.dtype))
+            if o is not out:
+                out[g.rows] = o[g.rows]
             continue
         n, L = len(g.rows), g.num_keys
         k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
@@ -1459,13 +1470,14 @@ def _decode_loops(dtype):
 def _compile_loops(dtype):
     """The loops compiled for one cache dtype and tried once on a tiny batch, or None."""
     bits, shift = LOOP_DTYPES[dtype]
-    q, cache = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
+    q, cache = torch.zeros(1, 1, 1, dtype=dtype).view(bits), torch.zeros(1, 1, 1, 1, dtype=dtype).view(bits)
     probe = (
         q.numpy(),
         cache.numpy(),
         cache.numpy(),
         shift,
         1,
+        np.zeros(1, np.int64),
         np.zeros((1, 1), np.int32),
         np.ones(1, np.int32),
         1.0,
@@ -1542,7 +1554,7 @@ _announced = False  # announce_compile has spoken
 prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_round", "_narrow")
+_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head")
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1559,25 +1571,26 @@ EXP2_POLY = (
 LOG2_E = 1.4426950408889634
 
 
-def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_lens, scale, out):
+def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, seq_lens, scale, out):
     """Decode attention as plain loops (numba compiles them): each sequence's one query row
     against its keys and values, read in place from the paged cache, once, with an online
     softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
     the sums rescaled when a block raises it).
-    - q (n, H, D) fp32, one query row per sequence; query head j reads kv head j // (H // Hkv).
-    - k, v (num_blocks, block_size, Hkv, D): the caches' bits as numpy arrays (cache.view(torch.uint16)
-      for bf16, widened to fp32 by shift 16: bf16 is the top half of an fp32; cache.view(torch.uint32)
-      for fp32, shift 0); the last dimension contiguous.
+    - q (T, H, D), k, v (num_blocks, block_size, Hkv, D): the tensors' bits as numpy arrays
+      (t.view(torch.uint16) for bf16, widened to fp32 by shift 16: bf16 is the top half of an fp32;
+      t.view(torch.uint32) for fp32, shift 0); the last dimension contiguous. Sequence i's one query
+      row is q[rows[i]]; query head j reads kv head j // (H // Hkv).
     - heads_per_job, a divisor of Hkv: Hkv (a job per sequence: each block of its cache is one
       contiguous read, which memory streams fastest) or 1 (a job per (sequence, kv head): jobs for
       every thread when there are fewer sequences than threads).
     - block_tables (n, max_blocks) int32: only the first ceil(seq_len / block_size) ids of a row are
       read, and must be valid (numba checks no bounds); seq_lens (n,) int32, each >= 1.
-    - scale multiplies q.k (head_dim ** -0.5); out (n, H, D) fp32 is overwritten.
+    - scale multiplies q.k (head_dim ** -0.5); out (T, H, D), q's bits: row rows[i] is overwritten
+      (rounded to bf16, to nearest even, for shift 16).
     Compiled by _compile (numba.njit(parallel=True, fastmath reassoc and contract)); it reads prange,
     EXP2_POLY and LOG2_E from this module. Every inner loop runs over contiguous fp32 rows with no
     call in it, so LLVM gives it SIMD lanes."""
-    n, num_heads, head_dim = q.shape
+    n, num_heads, head_dim = len(rows), q.shape[1], q.shape[2]
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     jobs_per_seq = num_kv_heads // heads_per_job
@@ -1586,10 +1599,13 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_len
         n * jobs_per_seq
     ):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
         i, h0 = job // jobs_per_seq, job % jobs_per_seq * heads_per_job
-        qh = np.empty((heads_per_job * group, head_dim), np.float32)  # the job's query heads, scaled
+        q_bits = np.empty((heads_per_job * group, head_dim), np.uint32)
+        qh = q_bits.view(np.float32)  # the job's query heads, widened, then scaled
         for g in range(heads_per_job * group):
             for d in range(head_dim):
-                qh[g, d] = q[i, h0 * group + g, d] * np.float32(scale)
+                q_bits[g, d] = np.uint32(q[rows[i], h0 * group + g, d]) << shift
+            for d in range(head_dim):
+                qh[g, d] *= np.float32(scale)
         key_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
         value_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
         keys, values = (
@@ -1650,9 +1666,13 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, block_tables, seq_len
                     for g in range(group):
                         for d in range(head_dim):
                             acc[h * group + g, d] += weights[g, t] * values[t, h, d]
-        for g in range(heads_per_job * group):
+        for g in range(heads_per_job * group):  # q_bits (its query heads are read) holds the results
             for d in range(head_dim):
-                out[i, h0 * group + g, d] = acc[g, d] / total[g]
+                qh[g, d] = acc[g, d] / total[g]
+            if shift == 16:
+                _round(q_bits[g])
+            for d in range(head_dim):
+                out[rows[i], h0 * group + g, d] = q_bits[g, d] >> shift
 
 
 # ---- The CPU path: greedy argmax over bf16 logits ----
@@ -1706,50 +1726,63 @@ def _argmax_loops(x, out):
         out[i] = first
 
 
-# ---- The CPU path: RMSNorm and the rotary embedding over bf16, as compiled loops ----
+# ---- The CPU path: a decoder layer's small ops over bf16, as compiled loops ----
 # Each torch op over a bf16 (tokens, hidden) tensor widens it to fp32, computes, rounds back and
-# writes a whole new tensor: HF's RMSNorm is 8 such ops, the rotary embedding 6; a loop reads x once
-# and writes the result once.
-# The loops round to bf16 where torch does (round to nearest even, NaN kept), so the rotary
-# embedding's results are torch's bit for bit (but for the sign and payload bits of a NaN), and
-# RMSNorm's differ only where the sum of squares, added in another order, moves x across a rounding
-# step (rarely; two ulps at most, after weight * x). Both return None where they do not run (not a
-# CPU bf16 tensor, numba not installed or USE_CPU_LOOPS off): the model then uses torch ops.
+# writes a whole new tensor: the residual add and HF's RMSNorm are 9 such ops, the rotary embedding
+# of q and k and the K/V store 8; a loop reads its inputs once and writes its results once. (SwiGLU's
+# silu(gate) * up stays torch's two ops: as a loop it was no faster, measured.)
+# The loops round to bf16 where torch does (round to nearest even, NaN kept), so the residual add and
+# the rotary embedding are torch's bit for bit (but for the sign and payload bits of a NaN); RMSNorm
+# differs only where the sum of squares, added in another order, moves x across a rounding step
+# (rarely; two ulps at most, after weight * x). Each returns None where it does not run (not CPU
+# bf16 tensors, numba not installed or USE_CPU_LOOPS off): the caller uses torch ops.
 
 
-def rms_norm_cpu(x, weight, eps):
-    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16."""
+def rms_norm_cpu(x, weight, eps, residual=None):
+    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16.
+    With residual (x's shape, contiguous): x + residual first, written into residual -> (normed, residual)."""
     if not _bf16_loops_apply(x, weight) or weight.shape != x.shape[-1:]:
+        return None
+    if residual is not None and not (_bf16_loops_apply(residual) and residual.shape == x.shape):
+        return None
+    if residual is not None and not residual.is_contiguous():
         return None
     loops = _compile_elementwise(_rms_norm_loops)
     if loops is None:
         return None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
-    x_bits, weight_bits, out_bits = (t.view(torch.int16).numpy() for t in (x2, weight, out))
-    loops(x2.numel(), x_bits, weight_bits, eps, out_bits)
-    return out.view(x.shape)
+    r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
+    loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight)), eps, out.view(torch.int16).numpy())
+    return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
 
 
-def rotary_cpu(x, cos, sin):
-    """x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do.
-    x (tokens, heads, head_dim) bf16; cos, sin (tokens, 1, head_dim) bf16."""
-    # the loops check no bounds: shapes they do not expect go to torch, which broadcasts or raises
-    if x.dim() != 3 or not _bf16_loops_apply(x, cos, sin):
+def rotary_cpu(q, k, rope, store=None):
+    """rotary_ref's rotary embedding (no q/k norm) of q (T, H, D) and k (T, Hkv, D) bf16 (each head's last dim
+    contiguous), by rope (T, D) fp32 -> new (q, k). With store = (v, k_cache, v_cache, slot_mapping): store_kv's
+    write of the rotated k and of v into bf16 caches, in the same loop -> the new q."""
+    if q.dim() != 3 or k.dim() != 3 or not _bf16_loops_apply(q, k) or q.stride(-1) != 1 or k.stride(-1) != 1:
         return None
-    tokens, _, head_dim = x.shape
-    if head_dim % 2 or not cos.shape == sin.shape == (tokens, 1, head_dim):
+    tokens, _, head_dim = q.shape
+    if head_dim % 2 or k.shape[::2] != q.shape[::2] or rope.shape != (tokens, head_dim) or rope.dtype != torch.float32:
         return None
+    if store is None:
+        k_out = torch.empty(k.shape, dtype=k.dtype)
+        v, v_out, slots = k[:0], k_out[:0], torch.arange(tokens)  # k's rows in order; no v
+    else:
+        v, k_cache, v_cache, slots = store
+        if not (_bf16_loops_apply(v, k_cache, v_cache) and v.stride(-1) == 1) or slots.device.type != "cpu":
+            return None
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        k_out, v_out = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))  # (slots, Hkv, D)
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
         return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    bits = [
-        t.contiguous().view(torch.int16).numpy()
-        for t in (x, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
-    ]
-    loops(x.numel(), *bits, out.view(torch.int16).numpy())
-    return out
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    bits = [t.view(torch.int16).numpy() for t in (q, k, v, q_out, k_out, v_out)]
+    loops(q.numel() + k.numel(), *bits[:3], rope.contiguous().numpy(), slots.numpy(), *bits[3:])
+    return q_out if store is not None else (q_out, k_out)
 
 
 def _bf16_loops_apply(*tensors):
@@ -1759,7 +1792,15 @@ def _bf16_loops_apply(*tensors):
 @functools.cache
 def _compile_elementwise(loops):
     row, head = np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16)  # one token: a row of 2, a head of 2
-    probe = {_rms_norm_loops: (row, row[0], 1e-6, row.copy()), _rotary_loops: (head, row, row, head.copy())}[loops]
+    probe = {
+        _rms_norm_loops: (row, row, row[0], 1e-6, row.copy()),
+        _rotary_loops: (
+            *[np.zeros((1, 2, 2), np.int16)[:, :1]] * 3,
+            np.zeros((1, 2), np.float32),
+            np.zeros(1, np.int64),
+        )
+        + (head.copy(),) * 3,  # q, k, v: strided views of the qkv projection's output
+    }[loops]
     return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
 
 
@@ -1783,15 +1824,22 @@ def _narrow(values, out):
         out[d] = np.int16(np.uint16(values[d] >> 16))
 
 
-def _rms_norm_loops(x, weight, eps, out):
+def _rms_norm_loops(x, residual, weight, eps, out):
+    """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits."""
     rows, dim = x.shape
     w_bits = np.empty(dim, np.uint32)
     _widen(weight, w_bits)
     w = w_bits.view(np.float32)
     for i in prange(rows):
-        bits = np.empty(dim, np.uint32)
-        v = bits.view(np.float32)
+        bits, r_bits = np.empty(dim, np.uint32), np.empty(dim, np.uint32)
+        v, r = bits.view(np.float32), r_bits.view(np.float32)
         _widen(x[i], bits)
+        if residual.shape[0]:  # the residual stream's add: x + residual in bf16, written back
+            _widen(residual[i], r_bits)
+            for d in range(dim):
+                v[d] += r[d]
+            _round(bits)
+            _narrow(bits, residual[i])
         squares = np.float32(0.0)
         for d in range(dim):
             squares += v[d] * v[d]
@@ -1805,30 +1853,51 @@ def _rms_norm_loops(x, weight, eps, out):
         _narrow(bits, out[i])
 
 
-def _rotary_loops(x, cos, sin, out):
-    tokens, heads, head_dim = x.shape
+def _rotary_loops(q, k, v, rope, slots, q_out, k_out, v_out):
+    """q (T, H, D), k, v (T, Hkv, D): bf16 bits, last dim contiguous (v: (0, Hkv, D) for none); rope (T, D)
+    fp32, cos | sin of each token's D / 2 angles, rounded to bf16 here as HF's cos.to(bf16); q_out (T, H, D);
+    k_out, v_out (rows, Hkv, D): token i's rotated k and its v go to row slots[i] (none where it is -1)."""
+    tokens, heads, head_dim = q.shape
     half = head_dim // 2
     for i in prange(tokens):
         c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        _widen(cos[i], c_bits)
-        _widen(sin[i], s_bits)
         c, s = c_bits.view(np.float32), s_bits.view(np.float32)
+        for d in range(half):  # HF's cat(freqs, freqs): each angle twice
+            c[d] = c[d + half] = rope[i, d]
+            s[d] = s[d + half] = rope[i, half + d]
+        _round(c_bits)
+        _round(s_bits)
         x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        xv, rv = x_bits.view(np.float32), r_bits.view(np.float32)
         for h in range(heads):
-            _widen(x[i, h], x_bits)
-            for d in range(half):  # rotate_half(x) = cat(-x2, x1)
-                rv[d] = -xv[d + half]
-                rv[d + half] = xv[d]
-            for d in range(head_dim):
-                xv[d] *= c[d]
-                rv[d] *= s[d]
-            _round(x_bits)  # x * cos, in bf16
-            _round(r_bits)  # rotate_half(x) * sin, in bf16
-            for d in range(head_dim):
-                xv[d] += rv[d]
-            _round(x_bits)  # their sum, in bf16
-            _narrow(x_bits, out[i, h])
+            _rotate_head(q[i, h], c, s, x_bits, r_bits, q_out[i, h])
+        slot = slots[i]
+        if slot < 0:  # -1: this token's K/V are not written
+            continue
+        for h in range(k.shape[1]):
+            _rotate_head(k[i, h], c, s, x_bits, r_bits, k_out[slot, h])
+        if v.shape[0]:
+            for h in range(v.shape[1]):
+                for d in range(head_dim):
+                    v_out[slot, h, d] = v[i, h, d]
+
+
+def _rotate_head(x, c, s, x_bits, r_bits, out):
+    """One head: x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do."""
+    half = len(x) // 2
+    xv, rv = x_bits.view(np.float32), r_bits.view(np.float32)
+    _widen(x, x_bits)
+    for d in range(half):  # rotate_half(x) = cat(-x2, x1)
+        rv[d] = -xv[d + half]
+        rv[d + half] = xv[d]
+    for d in range(len(x)):
+        xv[d] *= c[d]
+        rv[d] *= s[d]
+    _round(x_bits)  # x * cos, in bf16
+    _round(r_bits)  # rotate_half(x) * sin, in bf16
+    for d in range(len(x)):
+        xv[d] += rv[d]
+    _round(x_bits)  # their sum, in bf16
+    _narrow(x_bits, out)
 
 
 # ---- The CPU path: which dtype, weight packing, greedy argmax and top-p without a sort ----

@@ -13,7 +13,7 @@ One engine step, top to bottom of this file:
         serves prompt blocks from the prefix cache, chunks long prefills,
         preempts (by recompute) when blocks run out
     -> Model.forward(flat tokens, positions, BatchMetadata)
-        per layer: qkv -> rotary -> kernels.store_kv(slot_mapping)
+        per layer: qkv -> kernels.rotary_and_store(slot_mapping)
                    -> kernels.paged_attention(block_tables, seq_lens)
     -> logits at the last token of each sequence whose prompt is all computed -> Sampler
     -> append token, check stop -> RequestOutput
@@ -705,10 +705,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).split(self.sizes, dim=-1)
         q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else ()
-        q, k = kernels.rotary(q, k, rope, *norms)  # Qwen3's q/k norm (where it has one) and the rotary embedding
         k_cache, v_cache = kv_cache  # each (num_blocks, block_size, Hkv, D)
-        # write first, then attend: attention reads the cached prefix and the new tokens alike from the cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Qwen3's q/k norm (where it has one), the rotary embedding, and k and v written to their slots first:
+        # attention reads the cached prefix and the new tokens alike from the cache
+        q = kernels.rotary_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, *norms)
         o = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale, plan=meta.attn_plan
         )

@@ -1156,36 +1156,62 @@ def test_tiny_models_match_hf_transformers(tiny_models, family):
 @given(
     tokens=st.integers(1, 40),
     heads=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
     half=st.integers(1, 40),
     scale=st.sampled_from([0.01, 1.0, 50.0]),
     special=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, half, scale, special, seed):
-    """The compiled bf16 RMSNorm and rotary loops against the torch ops they replace: the rotary embedding bit for bit
-    (torch's roundings to bf16, done where torch does them), RMSNorm within two ulps (its sum of squares adds in another
-    order: x may round an ulp apart, then weight * x); infinities and NaNs where torch has them."""
+def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, kv_heads, half, scale, special, seed):
+    """The compiled bf16 loops against the torch ops they replace: the rotary embedding of q and k (strided views of
+    one qkv output, as the model's) bit for bit (torch's roundings to bf16, done where torch does them), and with the
+    caches given, k and v written to their slots as store_kv writes them (none for slot -1); the residual add bit for
+    bit, written into the residual; RMSNorm within two ulps (its sum of squares adds in another order: x may round an
+    ulp apart, then weight * x); infinities and NaNs where torch has them."""
     if kernels.rms_norm_cpu(torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16), 1e-6) is None:
         pytest.skip("no numba: the model uses the torch ops")
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, heads, 2 * half, generator=g) * scale).bfloat16()
+    dim = 2 * half
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * scale).bfloat16()
     if special:
-        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = torch.tensor(
+        qkv.view(-1)[torch.randint(0, qkv.numel(), (3,), generator=g)] = torch.tensor(
             [float("inf"), -float("inf"), float("nan")]
         ).bfloat16()
-    weight = torch.randn(2 * half, generator=g).bfloat16()
-    angles = torch.randint(0, 5000, (tokens, 1, 1), generator=g) * torch.rand(1, 1, 2 * half, generator=g)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    want_rot, want_norm = kernels._rotate(x, cos, sin), kernels.rms_norm_ref(x, weight, 1e-6)  # the torch ops
-    rot = kernels.rotary_cpu(x, cos, sin)
-    assert torch.equal(rot.isnan(), want_rot.isnan())  # (a NaN's sign and payload bits may differ)
-    assert torch.equal(rot.view(torch.int16)[~rot.isnan()], want_rot.view(torch.int16)[~rot.isnan()])
-    got = kernels.rms_norm_cpu(x, weight, 1e-6)
-    assert torch.equal(got.isnan(), want_norm.isnan())
-    ok = (
-        ~got.isnan()
-    )  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is the bits' difference
-    assert ((got.view(torch.int16)[ok].int() - want_norm.view(torch.int16)[ok].int()).abs() <= 2).all()
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.randint(0, 5000, (tokens, 1), generator=g) * torch.rand(1, half, generator=g)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=-1)  # Rotary's rows: cos | sin, fp32
+
+    def same_bits(got, want):  # (a NaN's sign and payload bits may differ)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
+
+    want_q, want_k = kernels.rotary_ref(q, k, rope)
+    for got, want in zip(kernels.rotary_cpu(q, k, rope), (want_q, want_k)):
+        same_bits(got, want)
+    caches = [torch.zeros(4, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(64, generator=g)[:tokens]
+    slots[0] = -1  # not written
+    got_q = kernels.rotary_and_store(q, k, v, rope, *caches[:2], slots)
+    kernels.store_kv_ref(want_k, v, *caches[2:], slots)
+    same_bits(got_q, want_q)
+    for got, want in zip(caches[:2], caches[2:]):
+        same_bits(got, want)
+
+    x = qkv[:, : heads * dim].contiguous()
+    residual = (torch.randn(x.shape, generator=g) * scale).bfloat16()
+    weight = torch.randn(x.shape[-1], generator=g).bfloat16()
+    want_norm, want_sum = kernels.rms_norm_ref(x, weight, 1e-6, residual)
+    got_residual = residual.clone()
+    got_norm, got_sum = kernels.rms_norm_cpu(x, weight, 1e-6, got_residual)
+    alone = kernels.rms_norm_cpu(x, weight, 1e-6), kernels.rms_norm_ref(x, weight, 1e-6)
+    for got, want in (alone, (got_norm, want_norm)):
+        assert torch.equal(got.isnan(), want.isnan())
+        ok = (
+            ~got.isnan()
+        )  # adjacent bf16 values of one sign have adjacent bits: the distance in ulps is their difference
+        assert ((got.view(torch.int16)[ok].int() - want.view(torch.int16)[ok].int()).abs() <= 2).all()
+    assert got_sum is got_residual
+    same_bits(got_residual, want_sum)  # written in place
 
 
 @pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
@@ -4093,23 +4119,22 @@ def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size,
     bits, shift = kernels.LOOP_DTYPES[dtype]
     outs = []
     for heads_per_job in [h for h in range(num_kv_heads, 0, -1) if num_kv_heads % h == 0]:
-        out = torch.empty_like(q, dtype=torch.float32)
+        out = torch.full_like(q, float("nan"))  # every row is a decode row: each must be written
         loops(
             kernels.LOOP_MIN_WORK,  # (as a large call: on every thread)
-            q.float().numpy(),
-            k_cache.view(bits).numpy(),
-            v_cache.view(bits).numpy(),
+            *(t.view(bits).numpy() for t in (q, k_cache, v_cache)),
             shift,
             heads_per_job,
+            torch.arange(len(q)).numpy(),  # sequence i's query row
             block_tables.numpy(),
             seq_lens.numpy(),
             scale,
-            out.numpy(),
+            out.view(bits).numpy(),
         )
         outs.append(out)
     assert all(torch.equal(outs[0], out) for out in outs[1:])
     torch.testing.assert_close(
-        outs[0].to(dtype), kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
+        outs[0], kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
     )
 
 
@@ -4139,7 +4164,7 @@ def test_cpu_loops_give_the_same_results_on_the_calling_thread_and_on_all(monkey
         pytest.skip("numba is not installed")
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(7, 96, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
-    heads, cos_sin = torch.randn(7, 3, 32, generator=g).bfloat16(), torch.randn(7, 1, 32, generator=g).bfloat16()
+    heads, rope = torch.randn(7, 3, 32, generator=g).bfloat16(), torch.randn(7, 32, generator=g)
     args, _ = build(Case([(40, 1), (9, 1), (23, 1)], 4, 2, 2, 16, torch.bfloat16, seed=3), "cpu")
     results = []
     for min_work in (0, 1 << 40):  # every call on all threads, then every call on the calling thread
@@ -4147,7 +4172,8 @@ def test_cpu_loops_give_the_same_results_on_the_calling_thread_and_on_all(monkey
         results.append(
             (
                 kernels.rms_norm_cpu(x, w, 1e-6),
-                kernels.rotary_cpu(heads, cos_sin, cos_sin.flip(-1)),
+                *kernels.rotary_cpu(heads, heads[:, :1], rope),
+                kernels.rms_norm_cpu(x, w, 1e-6, x.clone())[0],
                 kernels.argmax_rows(x),
                 kernels.paged_attention_cpu(*args),
             )
