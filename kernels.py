@@ -89,6 +89,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 import sys
 import warnings
 from dataclasses import dataclass
@@ -308,14 +309,18 @@ def _sequence_kv(cache, block_ids, seq_len):
 
 def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, scale, out):
     """Causal attention of one sequence's q_len new tokens (q rows start : start + q_len) over its
-    seq_len cached keys, written to the same rows of out. SDPA runs in the cache's dtype and
-    accumulates in fp32 (no upcasting copies); enable_gqa lets each kv head
-    serve its group of query heads without a copy of K and V per query head."""
-    block_size = k_cache.shape[1]
-    block_ids = block_table[: -(-seq_len // block_size)].tolist()
-    k = _sequence_kv(k_cache, block_ids, seq_len).transpose(0, 1)[None]  # (1, Hkv, L, D): exactly the sequence's keys
-    v = _sequence_kv(v_cache, block_ids, seq_len).transpose(0, 1)[None]
-    qs = q[start : start + q_len].transpose(0, 1)[None]  # (1, H, Q, D)
+    seq_len cached keys, written to the same rows of out."""
+    block_ids = block_table[: -(-seq_len // k_cache.shape[1])].tolist()
+    k, v = (_sequence_kv(cache, block_ids, seq_len) for cache in (k_cache, v_cache))  # exactly the sequence's keys
+    _attend(q[start : start + q_len], k, v, scale, out[start : start + q_len])
+
+
+def _attend(q, k, v, scale, out):
+    """q (Q, H, D): a sequence's last Q positions; k, v (L, Hkv, D): its keys and values at every position;
+    out (Q, H, D) is written. SDPA runs in the cache's dtype and accumulates in fp32 (no upcasting copies);
+    enable_gqa lets each kv head serve its group of query heads without a copy of K and V per query head."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    qs, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, Q, D), (1, Hkv, L, D)
     if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -325,7 +330,7 @@ def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, sc
             <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         )
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)  # (1, H, Q, D)
-    out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
+    out.copy_(o[0].transpose(0, 1))
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
@@ -1363,15 +1368,37 @@ class DecodeRows:
 
 
 @dataclass
+class PrefillSeq:
+    """A sequence with more than one query row: its q rows start : start + q_len, its seq_len keys."""
+
+    index: int  # in the batch
+    start: int
+    q_len: int
+    seq_len: int
+    first_slot: int | None  # where its keys start in the cache when its blocks are one run (the usual case)
+
+
+@dataclass
 class CpuAttentionPlan:
     decode: list  # [DecodeGroup] for the torch ops, or [DecodeRows] for the compiled loops
-    prefill: list  # [sequence index] with more than one query row
+    prefill: list  # [PrefillSeq]
+
+
+def _first_slot(block_table, seq_len, block_size):
+    """The first cache slot of a sequence whose blocks are one run of ids, else None."""
+    ids = block_table[: -(-seq_len // block_size)].tolist()
+    return ids[0] * block_size if ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dtype):
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     lens, starts = seq_lens.tolist(), query_start_loc[:-1].tolist()
-    plan = CpuAttentionPlan(decode=[], prefill=[i for i, n in enumerate(q_lens) if n > 1])
+    prefill = [
+        PrefillSeq(i, starts[i], n, lens[i], _first_slot(block_tables[i], lens[i], block_size))
+        for i, n in enumerate(q_lens)
+        if n > 1
+    ]
+    plan = CpuAttentionPlan(decode=[], prefill=prefill)
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and _decode_loops(dtype) is not None:
         idx = torch.tensor(decode)
@@ -1450,10 +1477,13 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         probs = (scores * scale + g.bias).softmax(-1).to(q.dtype).view(num_kv_heads * n, group, L)
         o = torch.bmm(probs, v).view(num_kv_heads, n, group, head_dim)  # (Hkv, n, G, D)
         out[g.rows] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
-    if plan.prefill:
-        lens, starts, ends = seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()
-        for i in plan.prefill:
-            _attend_sequence(q, k_cache, v_cache, block_tables[i], lens[i], starts[i], ends[i] - starts[i], scale, out)
+    k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # views, as k_rows
+    for p in plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
+        if p.first_slot is None:
+            _attend_sequence(q, k_cache, v_cache, block_tables[p.index], p.seq_len, p.start, p.q_len, scale, out)
+            continue
+        rows, keys = slice(p.start, p.start + p.q_len), slice(p.first_slot, p.first_slot + p.seq_len)
+        _attend(q[rows], k_slots[keys], v_slots[keys], scale, out[rows])
     return out
 
 
@@ -1511,7 +1541,10 @@ def _compile(loops, probe, what, fallback):
 
     def run(work, *args):
         """work: the call's elements or multiply-adds; a small call runs on the calling thread alone."""
-        numba.set_num_threads(_loop_threads() if work >= LOOP_MIN_WORK else 1)  # per calling thread
+        threads = _loop_threads() if work >= LOOP_MIN_WORK else 1
+        if getattr(_threads_set, "n", None) != threads:  # (numba's setter costs ~15 us a call inside a step)
+            numba.set_num_threads(threads)  # per calling thread
+            _threads_set.n = threads
         compiled(*args)
 
     return run
@@ -1521,6 +1554,9 @@ def _compile(loops, probe, what, fallback):
 # Waking numba's other threads costs ~20 us a call on an idle machine, and where another process holds one of
 # their cores the call waits for that thread's turn (milliseconds); one decode row's norm or rotary takes ~1 us.
 LOOP_MIN_WORK = 32768
+
+
+_threads_set = threading.local()  # .n: the thread count this thread last gave numba
 
 
 def _loop_threads():
@@ -1645,10 +1681,12 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
                     if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
                         weights[g, :num] = 0.0
                         continue
-                    rescale = np.float32(math.exp(best[qi] - new_best))  # what was summed so far, at the new max
-                    best[qi] = new_best
-                    for d in range(head_dim):
-                        acc[qi, d] *= rescale
+                    rescale = np.float32(1.0)
+                    if new_best > best[qi]:  # what was summed so far, at the new max
+                        rescale = np.float32(math.exp(best[qi] - new_best))
+                        best[qi] = new_best
+                        for d in range(head_dim):
+                            acc[qi, d] *= rescale
                     # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
                     # 2**frac from the polynomial
                     for t in range(num):
@@ -1741,19 +1779,17 @@ def _argmax_loops(x, out):
 def rms_norm_cpu(x, weight, eps, residual=None):
     """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16.
     With residual (x's shape, contiguous): x + residual first, written into residual -> (normed, residual)."""
-    if not _bf16_loops_apply(x, weight) or weight.shape != x.shape[-1:]:
+    if not _bf16_loops_apply(x, weight, *([] if residual is None else [residual])) or weight.shape != x.shape[-1:]:
         return None
-    if residual is not None and not (_bf16_loops_apply(residual) and residual.shape == x.shape):
-        return None
-    if residual is not None and not residual.is_contiguous():
+    if residual is not None and not (residual.shape == x.shape and residual.is_contiguous()):
         return None
     loops = _compile_elementwise(_rms_norm_loops)
     if loops is None:
         return None
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
     r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
-    loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight)), eps, out.view(torch.int16).numpy())
+    loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight, out)), eps)
     return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
 
 
@@ -1786,14 +1822,14 @@ def rotary_cpu(q, k, rope, store=None):
 
 
 def _bf16_loops_apply(*tensors):
-    return USE_CPU_LOOPS and all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+    return USE_CPU_LOOPS and all(t.is_cpu and t.dtype == torch.bfloat16 for t in tensors)
 
 
 @functools.cache
 def _compile_elementwise(loops):
     row, head = np.zeros((1, 2), np.int16), np.zeros((1, 1, 2), np.int16)  # one token: a row of 2, a head of 2
     probe = {
-        _rms_norm_loops: (row, row, row[0], 1e-6, row.copy()),
+        _rms_norm_loops: (row, row, row[0], row.copy(), 1e-6),
         _rotary_loops: (
             *[np.zeros((1, 2, 2), np.int16)[:, :1]] * 3,
             np.zeros((1, 2), np.float32),
@@ -1824,7 +1860,7 @@ def _narrow(values, out):
         out[d] = np.int16(np.uint16(values[d] >> 16))
 
 
-def _rms_norm_loops(x, residual, weight, eps, out):
+def _rms_norm_loops(x, residual, weight, out, eps):
     """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits."""
     rows, dim = x.shape
     w_bits = np.empty(dim, np.uint32)
