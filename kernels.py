@@ -11,6 +11,8 @@ plus the dispatcher nanobatch.py calls.
     rms_norm(x, weight, eps, residual=None)      RMSNorm, with the residual stream's add fused in
     silu_and_mul(gate_up)                        SwiGLU's silu(gate) * up over the merged projection
     rotary(q, k, rope, q_norm, k_norm, eps)      Qwen3's q/k RMSNorm and the rotary embedding of q and k
+    rotary_and_store(q, k, v, rope, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+        rotary, then store_kv of the rotated k and v (the model's call; one loop on a CPU)
     (on a GPU each is one launch: a decoder layer is ten, with its four matmuls; `bench.py --launches`)
 
     store_kv_triton / paged_attention_triton   Triton kernels (GPU, or CPU under TRITON_INTERPRET=1); decode
@@ -27,11 +29,11 @@ plus the dispatcher nanobatch.py calls.
     paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
                                                decode rows as compiled loops (numba) or batched torch ops
     store_kv / paged_attention / rms_norm /    dispatch: Triton for CUDA tensors; on a CPU the references, the
-    silu_and_mul / rotary                      CPU attention path and the bf16 loops; on a GPU without triton,
+    silu_and_mul / rotary / rotary_and_store   CPU attention path and the bf16 loops; on a GPU without triton,
                                                the references
-    rms_norm_cpu / rotary_cpu / argmax_rows    the model's RMSNorm and rotary embedding and the sampler's
-                                               greedy argmax over bf16 CPU tensors, as compiled loops (or
-                                               None: the caller uses torch ops)
+    rms_norm_cpu / rotary_cpu / argmax_rows    the model's add + RMSNorm, rotary embedding (+ K/V store) and
+                                               the sampler's greedy argmax over bf16 CPU tensors, as compiled
+                                               loops (or None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
     sample_nucleus / cpu_prefers_bf16          for oneDNN, the sampler's argmax and its top-p without a sort,
                                                and whether "auto" picks bf16 on this CPU
