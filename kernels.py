@@ -258,8 +258,8 @@ def _check_rotary(q, k, rope, q_norm, k_norm):
 
 
 def _check_same_device(name, *tensors):
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
+    if len({t.get_device() for t in tensors}) > 1:  # (-1 for the CPU; ints are cheaper than torch.device objects)
+        devices = {t.device for t in tensors}
         raise ValueError(f"{name}: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
@@ -1451,8 +1451,6 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
             block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype
         )  # (again: the loops cannot run it)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
-    # row = slot * Hkv + kv head; a view of the engine's (contiguous) caches, a copy of a strided one
-    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     for g in plan.decode:
         if isinstance(g, DecodeRows):  # the compiled loops: q, the caches and out as their bits, no copy
             bits, shift = LOOP_DTYPES[k_cache.dtype]
@@ -1472,15 +1470,20 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
                 out[g.rows] = o[g.rows]
             continue
         n, L = len(g.rows), g.num_keys
-        k = k_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim).float()  # (Hkv * n, L, D)
-        v = v_rows.index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim)
+        # row = slot * Hkv + kv head of a view of the engine's (contiguous) caches (a copy of a strided one)
+        k, v = (
+            c.reshape(-1, head_dim).index_select(0, g.kv_rows).view(num_kv_heads * n, L, head_dim)
+            for c in (k_cache, v_cache)
+        )
+        k = k.float()  # (Hkv * n, L, D)
         qg = q[g.rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads * n, group, head_dim)
         scores = torch.bmm(qg.float(), k.transpose(1, 2)).view(num_kv_heads, n, group, L)  # (Hkv, n, G, L) fp32
         probs = (scores * scale + g.bias).softmax(-1).to(q.dtype).view(num_kv_heads * n, group, L)
         o = torch.bmm(probs, v).view(num_kv_heads, n, group, head_dim)  # (Hkv, n, G, D)
         out[g.rows] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
-    k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # views, as k_rows
-    for p in plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
+    if plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
+        k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # (slots, Hkv, D)
+    for p in plan.prefill:
         if p.first_slot is None:
             _attend_sequence(q, k_cache, v_cache, block_tables[p.index], p.seq_len, p.start, p.q_len, scale, out)
             continue
