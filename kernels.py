@@ -1528,8 +1528,9 @@ def _compile(loops, probe, what, fallback):
         import numba
     except ImportError:
         return None
-    global prange
+    global prange, carray
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
+    carray = numba.carray  # an array over a data pointer (_rms_norm_pointers)
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
@@ -1593,9 +1594,10 @@ def announce_compile(loops):
 
 _announced = False  # announce_compile has spoken
 prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
+carray = None  # numba.carray once _compile has run
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head")
+_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head", "_rms_norm_row")
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1794,8 +1796,31 @@ def rms_norm_cpu(x, weight, eps, residual=None):
     x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
     r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
-    loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight, out)), eps)
+    one_thread = _rms_norm_c() if x2.numel() < LOOP_MIN_WORK and weight.is_contiguous() else None
+    if one_thread is not None:  # a decode step's norms: a C call on the data pointers
+        one_thread(*(t.data_ptr() for t in (x2, r2, weight, out)), len(x2), len(r2), x2.shape[1], eps)
+    else:
+        loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight, out)), eps)
     return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
+
+
+@functools.cache
+def _rms_norm_c():
+    """_rms_norm_pointers as a C function (ctypes), or None where numba cannot compile it. Inside a step a call
+    costs ~35 us this way, ~100 through numpy views and numba's dispatch of the parallel loops (each runs cold
+    after the matmuls)."""
+    if _compile_elementwise(_rms_norm_loops) is None:  # (numba missing or failing; this also makes the helpers)
+        return None
+    import numba
+    from numba import types
+
+    try:
+        signature = types.void(*[types.voidptr] * 4, types.int64, types.int64, types.int64, types.float64)
+        compiled = numba.cfunc(signature, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)
+        return compiled(_rms_norm_pointers).ctypes
+    except Exception as e:  # e.g. no writable cache folder
+        warnings.warn(f"kernels: the one-thread RMSNorm call is off ({type(e).__name__}: {e}); the loops run as before")
+        return None
 
 
 def rotary_cpu(q, k, rope, store=None):
@@ -1870,28 +1895,47 @@ def _rms_norm_loops(x, residual, weight, out, eps):
     rows, dim = x.shape
     w_bits = np.empty(dim, np.uint32)
     _widen(weight, w_bits)
-    w = w_bits.view(np.float32)
+    add = residual.shape[0] > 0
     for i in prange(rows):
-        bits, r_bits = np.empty(dim, np.uint32), np.empty(dim, np.uint32)
-        v, r = bits.view(np.float32), r_bits.view(np.float32)
-        _widen(x[i], bits)
-        if residual.shape[0]:  # the residual stream's add: x + residual in bf16, written back
-            _widen(residual[i], r_bits)
-            for d in range(dim):
-                v[d] += r[d]
-            _round(bits)
-            _narrow(bits, residual[i])
-        squares = np.float32(0.0)
+        _rms_norm_row(x[i], residual[i] if add else x[i], add, w_bits.view(np.float32), eps, out[i])
+
+
+def _rms_norm_pointers(x, residual, weight, out, rows, residual_rows, dim, eps):
+    """_rms_norm_loops on the calling thread, over the tensors' data pointers: compiled as a C function
+    (_rms_norm_c), called through ctypes without numpy views or numba's type dispatch."""
+    x, out = carray(x, (rows, dim), np.int16), carray(out, (rows, dim), np.int16)
+    residual = carray(residual, (residual_rows, dim), np.int16)
+    w_bits = np.empty(dim, np.uint32)
+    _widen(carray(weight, (dim,), np.int16), w_bits)
+    for i in range(rows):
+        _rms_norm_row(
+            x[i], residual[i] if residual_rows else x[i], residual_rows > 0, w_bits.view(np.float32), eps, out[i]
+        )
+
+
+def _rms_norm_row(x, residual, add, w, eps, out):
+    """One row: where add, x + residual in bf16, written back into residual; then its RMSNorm into out."""
+    dim = len(x)
+    bits, r_bits = np.empty(dim, np.uint32), np.empty(dim, np.uint32)
+    v, r = bits.view(np.float32), r_bits.view(np.float32)
+    _widen(x, bits)
+    if add:  # the residual stream's add
+        _widen(residual, r_bits)
         for d in range(dim):
-            squares += v[d] * v[d]
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
-        for d in range(dim):
-            v[d] *= scale
-        _round(bits)  # x.to(bf16)
-        for d in range(dim):
-            v[d] *= w[d]
-        _round(bits)  # weight * x, in bf16
-        _narrow(bits, out[i])
+            v[d] += r[d]
+        _round(bits)
+        _narrow(bits, residual)
+    squares = np.float32(0.0)
+    for d in range(dim):
+        squares += v[d] * v[d]
+    scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
+    for d in range(dim):
+        v[d] *= scale
+    _round(bits)  # x.to(bf16)
+    for d in range(dim):
+        v[d] *= w[d]
+    _round(bits)  # weight * x, in bf16
+    _narrow(bits, out)
 
 
 def _rotary_loops(q, k, v, rope, slots, q_out, k_out, v_out):
