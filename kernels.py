@@ -1296,7 +1296,6 @@ def rotary_and_store(q, k, v, rope, k_cache, v_cache, slot_mapping, q_norm=None,
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
             q_norm = k_norm = None
-        _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
         out = rotary_cpu(q, k, rope, store=(v, k_cache, v_cache, slot_mapping))  # None where the loops do not run
         if out is not None:
             return out
@@ -1841,6 +1840,7 @@ def rotary_cpu(q, k, rope, store=None):
             return None
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
+        _check_store_kv(k, v, k_cache, v_cache, slots)  # (the loops check no bounds; slots must be in the caches)
         k_out, v_out = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))  # (slots, Hkv, D)
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
