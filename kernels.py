@@ -1527,9 +1527,10 @@ def _compile(loops, probe, what, fallback):
         import numba
     except ImportError:
         return None
-    global prange, carray
+    global prange, carray, prefetch
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
     carray = numba.carray  # an array over a data pointer (_rms_norm_pointers)
+    prefetch = _prefetch_intrinsic()
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
@@ -1594,6 +1595,41 @@ def announce_compile(loops):
 _announced = False  # announce_compile has spoken
 prange = range  # numba.prange once _compile has run; plain range if the loops run as Python
 carray = None  # numba.carray once _compile has run
+
+
+def _prefetch_nothing(array, index):
+    """prefetch where the loops run as Python (a hint to the CPU that Python cannot give)."""
+
+
+prefetch = _prefetch_nothing  # _prefetch_intrinsic() once _compile has run
+
+
+@functools.cache
+def _prefetch_intrinsic():
+    """prefetch(array, index) as numba compiles it: the CPU starts loading the cache line of array's element
+    `index` (counted over the array's memory, C order) without waiting for it: LLVM's prefetch instruction."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, array, index):
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0i8"
+            )
+            builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, locality 3 (all levels), data
+            return context.get_dummy_value()
+
+        return types.void(array, index), codegen
+
+    return prefetch
+
+
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
 _LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head", "_rms_norm_row")
@@ -1662,6 +1698,10 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
         acc = np.zeros((heads_per_job * group, head_dim), np.float32)  # sum of exp(score - best) * value
         for b in range((seq_lens[i] + block_size - 1) // block_size):
             block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
+            # where the next block's rows start: fetched while this one is computed (the PV loop below asks
+            # for one key's lines at a time; asked for all at once here, the fetches crowd out this block's)
+            ahead = (b + 1) * block_size < seq_lens[i]
+            next_rows = block_tables[i, b + 1 if ahead else b] * block_size * num_kv_heads
             for t in range(num):
                 for h in range(heads_per_job):
                     if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
@@ -1707,6 +1747,10 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
                         block_total += weights[g, t]
                     total[qi] = total[qi] * rescale + block_total
                 for t in range(num):  # keys outer: the group's accumulator rows are independent chains
+                    if ahead:
+                        for line in range(0, head_dim, 64 // k.itemsize):  # a 64-byte cache line at a time
+                            prefetch(k, (next_rows + t * num_kv_heads + h0 + h) * head_dim + line)
+                            prefetch(v, (next_rows + t * num_kv_heads + h0 + h) * head_dim + line)
                     for g in range(group):
                         for d in range(head_dim):
                             acc[h * group + g, d] += weights[g, t] * values[t, h, d]
@@ -1985,7 +2029,7 @@ def _rotate_head(x, c, s, x_bits, r_bits, out):
     _narrow(x_bits, out)
 
 
-# ---- The CPU path: which dtype, weight packing, greedy argmax and top-p without a sort ----
+# ---- The CPU path: which dtype, the KV pool's pages, weight packing, greedy argmax and top-p without a sort ----
 
 
 def cpu_flags():
@@ -2016,6 +2060,32 @@ def cpu_prefers_bf16(flags=None):
     bytes saves); without bf16 instructions torch emulates bf16, so fp32."""
     flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags or ("avx512_bf16" in flags and "vendor:AuthenticAMD" in flags)
+
+
+HUGE_PAGE = 2 << 20  # bytes in an x86 or arm64 Linux huge page
+MADV_HUGEPAGE = 14  # Linux's madvise advice: back this range with huge pages where the kernel can
+
+
+def kv_pool(shape, dtype, device):
+    """The zeroed KV pool. On a Linux CPU, in 2 MB pages (transparent huge pages, asked for with madvise before
+    the zeros touch it): a decode step reads K/V from thousands of blocks all over the pool, and with 4 KB pages
+    each block is a page-table walk, whose misses also evict the matmuls' weights from the TLB. Elsewhere, or
+    where madvise refuses (no THP in the kernel, THP switched off), torch.zeros."""
+    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched pages; room to start on a 2 MB line
+    start = -raw.data_ptr() % HUGE_PAGE
+    pool = raw[start : start + nbytes]
+    try:
+        import ctypes
+
+        madvise = ctypes.CDLL(None).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(pool.data_ptr(), nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # (an error: 4 KB pages, as before)
+    except (OSError, AttributeError):
+        pass
+    return pool.view(dtype).view(shape).zero_()
 
 
 class PackedLinear(torch.nn.Linear):

@@ -1008,7 +1008,7 @@ class LLM:
             )
         # K and V of every layer in one tensor, so that a copy-on-write of block src -> dst is one indexing op
         shape = (2, cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return torch.zeros(shape, dtype=c.torch_dtype, device=self.device), num_blocks
+        return kernels.kv_pool(shape, c.torch_dtype, self.device), num_blocks  # (on a CPU, in huge pages)
 
     # -- requests in --
 

@@ -289,6 +289,18 @@ def test_dtype_auto_on_cpu_follows_the_measured_rule(monkeypatch):
     assert EngineConfig(device="cpu", dtype="float32").dtype == "float32"
 
 
+def test_cpu_kv_pool_is_zeroed_and_starts_on_a_huge_page(tiny_llm):
+    """kv_pool: zeros of the shape and dtype asked for; on a Linux CPU, starting on a 2 MB line (so that
+    madvise can give it huge pages), as the engine's pool does."""
+    for shape, dtype in (((2, 3, 5, 16, 2, 8), torch.bfloat16), ((2, 1, 600, 16, 1, 64), torch.float32)):
+        pool = kernels.kv_pool(shape, dtype, "cpu")
+        assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous() and not pool.any()
+        if sys.platform.startswith("linux"):
+            assert pool.data_ptr() % kernels.HUGE_PAGE == 0
+    if sys.platform.startswith("linux"):
+        assert tiny_llm.kv_pool.data_ptr() % kernels.HUGE_PAGE == 0
+
+
 def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
     """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
     llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
