@@ -1632,7 +1632,7 @@ def _prefetch_intrinsic():
 
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head", "_rms_norm_row")
+_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head", "_rms_norm_row", "_rotary_token")
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1889,10 +1889,39 @@ def rotary_cpu(q, k, rope, store=None):
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
         return None
-    q_out = torch.empty(q.shape, dtype=q.dtype)
-    bits = [t.view(torch.int16).numpy() for t in (q, k, v, q_out, k_out, v_out)]
-    loops(q.numel() + k.numel(), *bits[:3], rope.contiguous().numpy(), slots.numpy(), *bits[3:])
+    q_out, rope = torch.empty(q.shape, dtype=q.dtype), rope.contiguous()
+    # q, k and v as rows of head_dim-wide heads (the qkv output's views): a decode step's call a C function
+    rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v))
+    one_thread = _rotary_c() if rows and q.numel() + k.numel() < ROTARY_C_WORK else None
+    if one_thread is not None:
+        pointers = (t.data_ptr() for t in (q, k, v, rope, slots, q_out, k_out, v_out))
+        sizes = (q.shape[1], k.shape[1], head_dim, len(v), len(k_out))
+        one_thread(*pointers, tokens, q.stride(0), k.stride(0), v.stride(0), *sizes)
+    else:
+        bits = [t.view(torch.int16).numpy() for t in (q, k, v, q_out, k_out, v_out)]
+        loops(q.numel() + k.numel(), *bits[:3], rope.numpy(), slots.numpy(), *bits[3:])
     return q_out if store is not None else (q_out, k_out)
+
+
+# Below this many q and k elements rotary_cpu calls _rotary_pointers on the calling thread: a 48-row decode
+# step's rotary takes ~10 us there, against ~20 us of waking numba's threads.
+ROTARY_C_WORK = 4 * LOOP_MIN_WORK
+
+
+@functools.cache
+def _rotary_c():
+    """_rotary_pointers as a C function (ctypes), or None where numba cannot compile it (as _rms_norm_c)."""
+    if _compile_elementwise(_rotary_loops) is None:
+        return None
+    import numba
+    from numba import types
+
+    try:
+        signature = types.void(*[types.voidptr] * 8, *[types.int64] * 9)
+        return numba.cfunc(signature, cache=True)(_rotary_pointers).ctypes
+    except Exception as e:  # e.g. no writable cache folder
+        warnings.warn(f"kernels: the one-thread rotary call is off ({type(e).__name__}: {e}); the loops run as before")
+        return None
 
 
 def _bf16_loops_apply(*tensors):
@@ -1986,28 +2015,51 @@ def _rotary_loops(q, k, v, rope, slots, q_out, k_out, v_out):
     """q (T, H, D), k, v (T, Hkv, D): bf16 bits, last dim contiguous (v: (0, Hkv, D) for none); rope (T, D)
     fp32, cos | sin of each token's D / 2 angles, rounded to bf16 here as HF's cos.to(bf16); q_out (T, H, D);
     k_out, v_out (rows, Hkv, D): token i's rotated k and its v go to row slots[i] (none where it is -1)."""
-    tokens, heads, head_dim = q.shape
+    for i in prange(q.shape[0]):
+        _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out)
+
+
+def _rotary_pointers(
+    q, k, v, rope, slots, q_out, k_out, v_out, tokens, q_row, k_row, v_row, heads, kv_heads, head_dim, v_rows, k_slots
+):
+    """_rotary_loops on the calling thread, over data pointers (as _rms_norm_pointers), for q, k and v whose
+    rows (q_row, k_row, v_row elements apart) hold their heads side by side. v has v_rows rows (0: no v and
+    no v_out); k_out (and v_out) k_slots: the cache's slots in a store, else tokens."""
+    q = carray(q, (tokens, q_row // head_dim, head_dim), np.int16)[:, :heads]
+    k = carray(k, (tokens, k_row // head_dim, head_dim), np.int16)[:, :kv_heads]
+    v = carray(v, (v_rows, v_row // head_dim, head_dim), np.int16)[:, :kv_heads]
+    rope, slots = carray(rope, (tokens, head_dim), np.float32), carray(slots, (tokens,), np.int64)
+    q_out = carray(q_out, (tokens, heads, head_dim), np.int16)
+    k_out = carray(k_out, (k_slots, kv_heads, head_dim), np.int16)
+    v_out = carray(v_out, (k_slots if v_rows else 0, kv_heads, head_dim), np.int16)
+    for i in range(tokens):
+        _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out)
+
+
+def _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out):
+    """Token i of _rotary_loops: its q heads rotated into q_out[i]; where slots[i] >= 0, its k heads rotated
+    into k_out[slots[i]] and its v copied into v_out[slots[i]]."""
+    head_dim = q.shape[2]
     half = head_dim // 2
-    for i in prange(tokens):
-        c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        c, s = c_bits.view(np.float32), s_bits.view(np.float32)
-        for d in range(half):  # HF's cat(freqs, freqs): each angle twice
-            c[d] = c[d + half] = rope[i, d]
-            s[d] = s[d + half] = rope[i, half + d]
-        _round(c_bits)
-        _round(s_bits)
-        x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-        for h in range(heads):
-            _rotate_head(q[i, h], c, s, x_bits, r_bits, q_out[i, h])
-        slot = slots[i]
-        if slot < 0:  # -1: this token's K/V are not written
-            continue
-        for h in range(k.shape[1]):
-            _rotate_head(k[i, h], c, s, x_bits, r_bits, k_out[slot, h])
-        if v.shape[0]:
-            for h in range(v.shape[1]):
-                for d in range(head_dim):
-                    v_out[slot, h, d] = v[i, h, d]
+    c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
+    c, s = c_bits.view(np.float32), s_bits.view(np.float32)
+    for d in range(half):  # HF's cat(freqs, freqs): each angle twice
+        c[d] = c[d + half] = rope[i, d]
+        s[d] = s[d + half] = rope[i, half + d]
+    _round(c_bits)
+    _round(s_bits)
+    x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
+    for h in range(q.shape[1]):
+        _rotate_head(q[i, h], c, s, x_bits, r_bits, q_out[i, h])
+    slot = slots[i]
+    if slot < 0:  # -1: this token's K/V are not written
+        return
+    for h in range(k.shape[1]):
+        _rotate_head(k[i, h], c, s, x_bits, r_bits, k_out[slot, h])
+    if v.shape[0]:
+        for h in range(v.shape[1]):
+            for d in range(head_dim):
+                v_out[slot, h, d] = v[i, h, d]
 
 
 def _rotate_head(x, c, s, x_bits, r_bits, out):

@@ -1198,16 +1198,19 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, kv_heads,
         assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
 
     want_q, want_k = kernels.rotary_ref(q, k, rope)
-    for got, want in zip(kernels.rotary_cpu(q, k, rope), (want_q, want_k)):
-        same_bits(got, want)
-    caches = [torch.zeros(4, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
     slots = torch.randperm(64, generator=g)[:tokens]
     slots[0] = -1  # not written
-    got_q = kernels.rotary_and_store(q, k, v, rope, *caches[:2], slots)
-    kernels.store_kv_ref(want_k, v, *caches[2:], slots)
-    same_bits(got_q, want_q)
-    for got, want in zip(caches[:2], caches[2:]):
-        same_bits(got, want)
+    for c_work in (kernels.ROTARY_C_WORK, 0):  # a decode step's C call on the calling thread; the parallel loops
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kernels, "ROTARY_C_WORK", c_work)
+            for got, want in zip(kernels.rotary_cpu(q, k, rope), (want_q, want_k)):
+                same_bits(got, want)
+            caches = [torch.zeros(4, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+            got_q = kernels.rotary_and_store(q, k, v, rope, *caches[:2], slots)
+        kernels.store_kv_ref(want_k, v, *caches[2:], slots)
+        same_bits(got_q, want_q)
+        for got, want in zip(caches[:2], caches[2:]):
+            same_bits(got, want)
 
     x = qkv[:, : heads * dim].contiguous()
     residual = (torch.randn(x.shape, generator=g) * scale).bfloat16()
