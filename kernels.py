@@ -1520,20 +1520,28 @@ def _compile_loops(dtype):
     return _compile(_decode_attention_loops, probe, "the compiled decode loops are off", "the CPU path uses torch ops")
 
 
-def _compile(loops, probe, what, fallback):
-    """numba's compiled loops, tried once on the probe arguments; None (with a warning naming `what` went
-    off and the `fallback`) if numba is not installed or cannot compile them."""
+def _numba():
+    """numba, with this module's names that the loops read set for it to compile them; None if not installed."""
     try:
         import numba
     except ImportError:
         return None
     global prange, carray, prefetch
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
-    carray = numba.carray  # an array over a data pointer (_rms_norm_pointers)
+    carray = numba.carray  # an array over a data pointer (the C functions')
     prefetch = _prefetch_intrinsic()
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
+    return numba
+
+
+def _compile(loops, probe, what, fallback):
+    """numba's compiled loops, tried once on the probe arguments; None (with a warning naming `what` went
+    off and the `fallback`) if numba is not installed or cannot compile them."""
+    numba = _numba()
+    if numba is None:
+        return None
     announce_compile(loops)
     try:
         # cache=True: compiled once per checkout (seconds), then loaded from __pycache__; reassoc lets the
@@ -1839,7 +1847,10 @@ def rms_norm_cpu(x, weight, eps, residual=None):
     x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
     r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
-    one_thread = _rms_norm_c() if x2.numel() < LOOP_MIN_WORK and weight.is_contiguous() else None
+    small = x2.numel() < LOOP_MIN_WORK and weight.is_contiguous()
+    one_thread = (
+        _c_function(_rms_norm_pointers, *["voidptr"] * 4, "int64", "int64", "int64", "float64") if small else None
+    )
     if one_thread is not None:  # a decode step's norms: a C call on the data pointers
         one_thread(*(t.data_ptr() for t in (x2, r2, weight, out)), len(x2), len(r2), x2.shape[1], eps)
     else:
@@ -1848,21 +1859,21 @@ def rms_norm_cpu(x, weight, eps, residual=None):
 
 
 @functools.cache
-def _rms_norm_c():
-    """_rms_norm_pointers as a C function (ctypes), or None where numba cannot compile it. Inside a step a call
-    costs ~35 us this way, ~100 through numpy views and numba's dispatch of the parallel loops (each runs cold
-    after the matmuls)."""
-    if _compile_elementwise(_rms_norm_loops) is None:  # (numba missing or failing; this also makes the helpers)
+def _c_function(fn, *arg_types):
+    """fn (arguments: numba type names) compiled by numba.cfunc, as a ctypes function, or None where numba is
+    missing or cannot compile it (with a warning; the caller takes its other route). A decode step's small calls
+    go this way: inside a step an RMSNorm call costs ~35 us so, ~100 through numpy views and numba's dispatch
+    of the parallel loops (each runs cold after the matmuls)."""
+    numba = _numba() if USE_CPU_LOOPS else None
+    if numba is None:
         return None
-    import numba
-    from numba import types
-
+    announce_compile(fn)
     try:
-        signature = types.void(*[types.voidptr] * 4, types.int64, types.int64, types.int64, types.float64)
-        compiled = numba.cfunc(signature, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)
-        return compiled(_rms_norm_pointers).ctypes
+        signature = numba.types.void(*(getattr(numba.types, t) for t in arg_types))
+        compiled = numba.cfunc(signature, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(fn)
+        return compiled.ctypes
     except Exception as e:  # e.g. no writable cache folder
-        warnings.warn(f"kernels: the one-thread RMSNorm call is off ({type(e).__name__}: {e}); the loops run as before")
+        warnings.warn(f"kernels: the C function {fn.__name__} is off ({type(e).__name__}: {e}); the loops run instead")
         return None
 
 
@@ -1892,7 +1903,8 @@ def rotary_cpu(q, k, rope, store=None):
     q_out, rope = torch.empty(q.shape, dtype=q.dtype), rope.contiguous()
     # q, k and v as rows of head_dim-wide heads (the qkv output's views): a decode step's call a C function
     rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v))
-    one_thread = _rotary_c() if rows and q.numel() + k.numel() < ROTARY_C_WORK else None
+    small = rows and q.numel() + k.numel() < ROTARY_C_WORK
+    one_thread = _c_function(_rotary_pointers, *["voidptr"] * 8, *["int64"] * 9) if small else None
     if one_thread is not None:
         pointers = (t.data_ptr() for t in (q, k, v, rope, slots, q_out, k_out, v_out))
         sizes = (q.shape[1], k.shape[1], head_dim, len(v), len(k_out))
@@ -1906,22 +1918,6 @@ def rotary_cpu(q, k, rope, store=None):
 # Below this many q and k elements rotary_cpu calls _rotary_pointers on the calling thread: a 48-row decode
 # step's rotary takes ~10 us there, against ~20 us of waking numba's threads.
 ROTARY_C_WORK = 4 * LOOP_MIN_WORK
-
-
-@functools.cache
-def _rotary_c():
-    """_rotary_pointers as a C function (ctypes), or None where numba cannot compile it (as _rms_norm_c)."""
-    if _compile_elementwise(_rotary_loops) is None:
-        return None
-    import numba
-    from numba import types
-
-    try:
-        signature = types.void(*[types.voidptr] * 8, *[types.int64] * 9)
-        return numba.cfunc(signature, cache=True)(_rotary_pointers).ctypes
-    except Exception as e:  # e.g. no writable cache folder
-        warnings.warn(f"kernels: the one-thread rotary call is off ({type(e).__name__}: {e}); the loops run as before")
-        return None
 
 
 def _bf16_loops_apply(*tensors):
@@ -1975,7 +1971,7 @@ def _rms_norm_loops(x, residual, weight, out, eps):
 
 def _rms_norm_pointers(x, residual, weight, out, rows, residual_rows, dim, eps):
     """_rms_norm_loops on the calling thread, over the tensors' data pointers: compiled as a C function
-    (_rms_norm_c), called through ctypes without numpy views or numba's type dispatch."""
+    (_c_function), called through ctypes without numpy views or numba's type dispatch."""
     x, out = carray(x, (rows, dim), np.int16), carray(out, (rows, dim), np.int16)
     residual = carray(residual, (residual_rows, dim), np.int16)
     w_bits = np.empty(dim, np.uint32)
