@@ -35,8 +35,8 @@ plus the dispatcher nanobatch.py calls.
                                                the sampler's greedy argmax over bf16 CPU tensors, as compiled
                                                loops (or None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
-    sample_nucleus / cpu_prefers_bf16          for oneDNN, the sampler's argmax and its top-p without a sort,
-                                               and whether "auto" picks bf16 on this CPU
+    sample_nucleus / cpu_prefers_bf16 /        for oneDNN, the sampler's argmax and its top-p without a sort,
+    kv_pool                                    whether "auto" picks bf16 on this CPU, the KV pool in huge pages
 
 Cache layout (one per layer, for K and for V):
     (num_blocks, block_size, num_kv_heads, head_dim)
