@@ -194,15 +194,20 @@ class EngineLoop:
     Submission's deliver, the last one finished. A RequestOutput is a snapshot (the engine builds
     new lists and strings each step), so the event loop may read it while the engine runs on."""
 
-    def __init__(self, llm: LLM, metrics=None):
+    def __init__(self, llm: LLM, metrics=None, own_thread=True):
+        """own_thread: start a thread of its own; else the creating thread is the engine's and calls step_loop()."""
         self.llm, self.metrics = llm, metrics
         self.inbox = queue.Queue()
         self.outboxes = {}  # request id -> (deliver, prompt index) of a running request (engine thread only)
         self.num_client_aborts = 0  # HTTP requests aborted because their client hung up
         self.refused = set()  # requests of a refused batch, aborted: their outputs are not counted in /metrics
         self.closing, self.closed = threading.Lock(), False
-        self.thread = threading.Thread(target=self._run, name="nanobatch-engine", daemon=True)
-        self.thread.start()
+        self.own_thread = own_thread
+        self.thread = threading.Thread(target=self.step_loop, name="nanobatch-engine", daemon=True)
+        if own_thread:
+            self.thread.start()
+        else:
+            self.thread = threading.current_thread()
 
     # -- called from any thread --
 
@@ -242,13 +247,15 @@ class EngineLoop:
             self.inbox.put(message)
 
     def stop(self, timeout=10):
-        """Fail the requests still running (503), free their blocks, end the thread."""
+        """Fail the requests still running (503), free their blocks, end the thread's loop."""
         self.inbox.put(("stop",))
-        self.thread.join(timeout)
+        if self.own_thread:
+            self.thread.join(timeout)
 
     # -- the engine thread --
 
-    def _run(self):
+    def step_loop(self):
+        """The engine's loop, until stop()."""
         while True:
             idle = not self.llm.has_unfinished_requests()
             messages = self._drain(block=idle)  # idle: sleep on the inbox, no busy loop
@@ -1815,7 +1822,8 @@ class QuietProbes(logging.Filter):
 class Server:
     """uvicorn serving the app on one socket, and the engine thread behind it. stop() ends both."""
 
-    def __init__(self, llm: LLM, config: ServerConfig, log_config=None):
+    def __init__(self, llm: LLM, config: ServerConfig, log_config=None, engine_here=False):
+        """engine_here: the engine's loop runs in this thread (serve_forever), not one of its own (start_server)."""
         self.config = config
         self.model_path = os.path.normpath(os.path.expanduser(llm.config.model or default_model_path()))
         self.model_name = config.served_model_name or served_model_name(llm)
@@ -1832,7 +1840,7 @@ class Server:
             (config.host, config.port), family=socket.AF_INET6 if ":" in config.host else socket.AF_INET, backlog=128
         )
         self.metrics = ServerMetrics(self.model_name, llm)
-        self.engine = EngineLoop(llm, self.metrics)
+        self.engine = EngineLoop(llm, self.metrics, own_thread=not engine_here)
         self.uvicorn = uvicorn.Server(
             uvicorn.Config(
                 build_app(self),
@@ -1857,11 +1865,23 @@ class Server:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def serve_forever(self):
-        """Serve in this thread until Ctrl-C (in the main thread uvicorn catches it and shuts down gracefully)."""
+        """Serve until Ctrl-C: the engine's loop in this thread, uvicorn in a thread of its own. On a CPU the
+        thread that loaded the model should run its steps: torch's OpenMP keeps a team of worker threads per
+        calling thread, and with two teams on a machine's cores libgomp stops letting idle workers spin, so
+        every parallel region waits for its workers to wake (a 48-row matmul took 2x as long in a second thread)."""
+        if self.engine.thread is not threading.current_thread():
+            raise RuntimeError("serve_forever runs the engine's loop: make the Server with engine_here=True")
+        http = threading.Thread(
+            target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, name="nanobatch-http", daemon=True
+        )
+        http.start()
         try:
-            self.uvicorn.run(sockets=[self.socket])
+            self.engine.step_loop()
+        except KeyboardInterrupt:  # (uvicorn, not in the main thread, leaves Ctrl-C to this one)
+            self.engine._close([])  # the requests still running get a 503
         finally:
-            self.engine.stop()
+            self.uvicorn.should_exit = True  # uvicorn answers what is in flight, then stops
+            http.join(30)
 
     def stop(self):
         """Fail the requests still running (503), end the engine thread, stop uvicorn and close the socket."""
@@ -1914,7 +1934,7 @@ def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
 
 def serve(llm: LLM, config: ServerConfig | None = None):
     """Serve until Ctrl-C (the CLI's --serve), with uvicorn's log format and access log."""
-    server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG)
+    server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG, engine_here=True)
     print(
         f"nanobatch: serving {server.model_name} at {server.url} "
         "(POST /generate, /v1/completions, /v1/chat/completions, /tokenize, /detokenize; "

@@ -6640,6 +6640,39 @@ def test_cli_serve_without_server_py_names_the_missing_file(monkeypatch, capsys)
     )
 
 
+def test_cli_serve_answers_then_stops_on_ctrl_c(tiny_models):
+    """--serve runs the engine's loop in the main thread (the one that loaded the model) and uvicorn in another:
+    a request is answered, and Ctrl-C (SIGINT, which reaches the main thread) ends the process cleanly."""
+    import signal
+
+    folder = tiny_models["llama-gqa-untied"][0]
+    args = ["--serve", "--port", "0", "--model", folder, "--device", "cpu", "--dtype", "float32"]
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "nanobatch.py"), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    try:
+        url = None
+        for line in proc.stderr:  # the model loads, then the server says where it listens
+            if " at http://" in line:
+                url = line.split(" at ")[1].split()[0]
+                break
+        assert url is not None, "the server never said where it listens"
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/generate", json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0}))
+        response = conn.getresponse()
+        assert response.status == 200 and len(json.loads(response.read())["text"]) == 1
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
 def test_cli_busy_port_fails_before_the_model_load():
     import socket
 
