@@ -6,7 +6,8 @@ imports this file only for --serve, so nanobatch.py + kernels.py stay the whole 
 copyable alone and importable without a web stack. This file adds FastAPI on uvicorn (the
 stack vLLM uses), pydantic for the request bodies and prometheus_client for /metrics.
 
-    event loop (uvicorn + FastAPI handlers)                engine thread (the only one that touches the LLM)
+    event loop (uvicorn + FastAPI handlers)                engine thread (the only one that touches the LLM;
+                                                           under --serve the main thread, which loaded it)
     validate the body (pydantic), SamplingParams  --inbox-->  drain inbox: add_request / abort_request / calls
     await the request's outputs        <-call_soon_threadsafe--  llm.step() -> each RequestOutput to its request
     answer JSON, or stream SSE (OpenAI) / NDJSON (/generate)
@@ -1918,6 +1919,13 @@ def served_model_name(llm):
     return llm.config.model or "SmolLM2-135M-Instruct"
 
 
+def warm_up(llm: LLM):
+    """One short request before serving, as vLLM's start-up runs one: what a first step sets up (on a CPU the
+    compiled loops, loaded from numba's cache or compiled, and oneDNN's kernels) is not the first clients' wait."""
+    prompt_len = max(1, min(256, llm.max_model_len - 2))  # long enough for the prefill's parallel loops
+    llm.generate([{"prompt_token_ids": [0] * prompt_len}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
     """Serve in a background thread (port 0: a free port). Returns (server, url);
     server.stop() ends it. For tests and notebooks."""
@@ -1934,6 +1942,7 @@ def start_server(llm: LLM, host="127.0.0.1", port=0, **server_config):
 
 def serve(llm: LLM, config: ServerConfig | None = None):
     """Serve until Ctrl-C (the CLI's --serve), with uvicorn's log format and access log."""
+    warm_up(llm)
     server = Server(llm, config or ServerConfig(), log_config=LOGGING_CONFIG, engine_here=True)
     print(
         f"nanobatch: serving {server.model_name} at {server.url} "
