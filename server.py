@@ -41,6 +41,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import socket
 import sys
 import threading
@@ -204,8 +205,8 @@ class EngineLoop:
         self.refused = set()  # requests of a refused batch, aborted: their outputs are not counted in /metrics
         self.closing, self.closed = threading.Lock(), False
         self.own_thread = own_thread
-        self.thread = threading.Thread(target=self.step_loop, name="nanobatch-engine", daemon=True)
         if own_thread:
+            self.thread = threading.Thread(target=self.step_loop, name="nanobatch-engine", daemon=True)
             self.thread.start()
         else:
             self.thread = threading.current_thread()
@@ -1872,17 +1873,27 @@ class Server:
         every parallel region waits for its workers to wake (a 48-row matmul took 2x as long in a second thread)."""
         if self.engine.thread is not threading.current_thread():
             raise RuntimeError("serve_forever runs the engine's loop: make the Server with engine_here=True")
-        http = threading.Thread(
-            target=self.uvicorn.run, kwargs={"sockets": [self.socket]}, name="nanobatch-http", daemon=True
-        )
-        http.start()
+
+        def http():
+            try:
+                self.uvicorn.run(sockets=[self.socket])
+            finally:  # (uvicorn ended, or failed to start: the engine's loop ends too)
+                self.engine.stop()
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        if threading.current_thread() is threading.main_thread():  # uvicorn, in its thread, leaves signals to this
+            signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: a graceful stop
+        uvicorn_thread = threading.Thread(target=http, name="nanobatch-http", daemon=True)
+        uvicorn_thread.start()
         try:
             self.engine.step_loop()
-        except KeyboardInterrupt:  # (uvicorn, not in the main thread, leaves Ctrl-C to this one)
+        except KeyboardInterrupt:
             self.engine._close([])  # the requests still running get a 503
         finally:
             self.uvicorn.should_exit = True  # uvicorn answers what is in flight, then stops
-            http.join(30)
+            uvicorn_thread.join(30)
 
     def stop(self):
         """Fail the requests still running (503), end the engine thread, stop uvicorn and close the socket."""

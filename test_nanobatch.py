@@ -6640,9 +6640,11 @@ def test_cli_serve_without_server_py_names_the_missing_file(monkeypatch, capsys)
     )
 
 
-def test_cli_serve_answers_then_stops_on_ctrl_c(tiny_models):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_cli_serve_answers_then_stops_on_a_signal(tiny_models, stop):
     """--serve runs the engine's loop in the main thread (the one that loaded the model) and uvicorn in another:
-    a request is answered, and Ctrl-C (SIGINT, which reaches the main thread) ends the process cleanly."""
+    a request is answered, and Ctrl-C (SIGINT, which reaches the main thread) or SIGTERM ends the process
+    cleanly."""
     import signal
 
     folder = tiny_models["llama-gqa-untied"][0]
@@ -6666,7 +6668,7 @@ def test_cli_serve_answers_then_stops_on_ctrl_c(tiny_models):
         response = conn.getresponse()
         assert response.status == 200 and len(json.loads(response.read())["text"]) == 1
         conn.close()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         assert proc.wait(timeout=60) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
