@@ -1902,7 +1902,7 @@ def rotary_cpu(q, k, rope, store=None):
         return None
     q_out, rope = torch.empty(q.shape, dtype=q.dtype), rope.contiguous()
     # q, k and v as rows of head_dim-wide heads (the qkv output's views): a decode step's call a C function
-    rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v))
+    rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v)) and slots.is_contiguous()
     small = rows and q.numel() + k.numel() < ROTARY_C_WORK
     one_thread = _c_function(_rotary_pointers, *["voidptr"] * 8, *["int64"] * 9) if small else None
     if one_thread is not None:

@@ -1211,6 +1211,11 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, kv_heads,
         same_bits(got_q, want_q)
         for got, want in zip(caches[:2], caches[2:]):
             same_bits(got, want)
+    strided = torch.stack([slots, slots], dim=1)[:, 0]  # the same slots, not contiguous (the C call's pointers)
+    got_caches = [torch.zeros(4, 16, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    same_bits(kernels.rotary_and_store(q, k, v, rope, *got_caches, strided), want_q)
+    for got, want in zip(got_caches, caches[2:]):
+        same_bits(got, want)
 
     x = qkv[:, : heads * dim].contiguous()
     residual = (torch.randn(x.shape, generator=g) * scale).bfloat16()
