@@ -2136,6 +2136,28 @@ def kv_pool(shape, dtype, device):
     return pool.view(dtype).view(shape).zero_()
 
 
+def release_openmp_workers():
+    """Ends the calling thread's idle OpenMP worker threads in every libgomp the process has loaded (torch's, and
+    the one numba's loops use); the next parallel region this thread starts makes new ones. libgomp counts the
+    workers of every thread that ever ran a parallel region, idle or not, and once they outnumber the cores it
+    stops letting workers spin between regions: each region started from another thread then waits for its
+    workers to wake up (a 48-row matmul ~1.5x slower). So an engine loaded in one thread and stepped in another
+    (start_server, a user's own thread) runs at full speed only once the loading thread's workers are gone.
+    Linux only (it reads /proc/self/maps); nothing where a libgomp lacks OpenMP 5.0's omp_pause_resource_all."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return
+    import ctypes
+
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).omp_pause_resource_all(2)  # omp_pause_hard: this thread's pool of workers ends
+        except (OSError, AttributeError):
+            pass
+
+
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear whose weight is in oneDNN's blocked layout (pack_linears_cpu swaps this class in)."""
 

@@ -2325,7 +2325,9 @@ class CpuThreads:
     it. Every INTERVAL seconds a step reads the CPU time the others took meanwhile (the busy time of this
     process's cores in /proc/stat, less this process's own), in cores, rounded, and takes that many threads off
     the number it started with (torch's: every core, or what the user set). A thread whose core another process
-    holds runs only in that core's time slices, and every parallel region (each matmul) waits for it."""
+    holds runs only in that core's time slices, and every parallel region (each matmul) waits for it.
+    Made as loading ends, it also ends the loading thread's idle OpenMP workers (kernels.release_openmp_workers):
+    whichever thread then steps the engine (this one, or another: start_server, a user's thread) has the only ones."""
 
     INTERVAL = 0.5  # seconds between readings
     ours = None  # (the threads torch had, the count last set here): a later engine starts from the first
@@ -2335,6 +2337,7 @@ class CpuThreads:
         self.max_threads = ours[0] if ours and ours[1] == now else now  # (now: torch's default, or the user's)
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         self.last = self.reading()
+        kernels.release_openmp_workers()
 
     def reading(self):
         return time.monotonic(), cpu_busy_seconds(self.cores), time.process_time()

@@ -72,6 +72,7 @@ from starlette.requests import ClientDisconnect, Request
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+import kernels
 import nanobatch
 from nanobatch import (
     LLM,
@@ -205,7 +206,8 @@ class EngineLoop:
         self.refused = set()  # requests of a refused batch, aborted: their outputs are not counted in /metrics
         self.closing, self.closed = threading.Lock(), False
         self.own_thread = own_thread
-        if own_thread:
+        if own_thread:  # (this thread's idle OpenMP workers would slow down the engine thread's on a CPU)
+            kernels.release_openmp_workers()
             self.thread = threading.Thread(target=self.step_loop, name="nanobatch-engine", daemon=True)
             self.thread.start()
         else:

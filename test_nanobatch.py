@@ -301,6 +301,27 @@ def test_cpu_kv_pool_is_zeroed_and_starts_on_a_huge_page(tiny_llm):
         assert tiny_llm.kv_pool.data_ptr() % kernels.HUGE_PAGE == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_release_openmp_workers_ends_this_threads_idle_workers():
+    """release_openmp_workers: a thread that ran a parallel region holds idle OpenMP workers (threads of the
+    process); afterwards they are gone, and the next region starts new ones with the same results. The engine
+    calls it as loading ends (CpuThreads) and before start_server's engine thread starts."""
+    code = """if True:
+        import os, time, torch, kernels
+        torch.set_num_threads(2)
+        x = torch.randn(1 << 22)
+        want = x.sum()  # a parallel region: this thread gets a worker
+        before = len(os.listdir("/proc/self/task"))
+        kernels.release_openmp_workers()
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
+            time.sleep(0.01)  # (a worker leaves the pool, then exits)
+        assert len(os.listdir("/proc/self/task")) < before
+        assert torch.equal(x.sum(), want)
+    """
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
+
+
 def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
     """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
     llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
