@@ -36,7 +36,8 @@ plus the dispatcher nanobatch.py calls.
                                                loops (or None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
     sample_nucleus / cpu_prefers_bf16 /        for oneDNN, the sampler's argmax and its top-p without a sort,
-    kv_pool                                    whether "auto" picks bf16 on this CPU, the KV pool in huge pages
+    kv_pool / release_openmp_workers           whether "auto" picks bf16 on this CPU, the KV pool in huge pages,
+                                               the loading thread's idle OpenMP workers ended (any thread steps)
 
 Cache layout (one per layer, for K and for V):
     (num_blocks, block_size, num_kv_heads, head_dim)
