@@ -1281,6 +1281,7 @@ class LLM:
             self.pending.owed += others  # hook (Outputs): the next step() gives them to the caller
             if bar is not None:
                 bar.close()
+            release_cpu_workers(self)  # hook (CPU threads): the next generate may come from another thread
         return [finished[i] for i in ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, **template) -> list[RequestOutput]:
@@ -2352,6 +2353,13 @@ class CpuThreads:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
             CpuThreads.ours = (self.max_threads, threads)
+
+
+def release_cpu_workers(llm):
+    """At the end of generate, on a CPU: this thread's idle OpenMP workers end (kernels.release_openmp_workers),
+    so that a later generate from another thread (a web framework's thread pool) has the only ones."""
+    if llm.cpu_threads is not None:
+        kernels.release_openmp_workers()
 
 
 def cpu_busy_seconds(cores=None):

@@ -322,6 +322,17 @@ def test_release_openmp_workers_ends_this_threads_idle_workers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=HERE)
 
 
+def test_generate_ends_its_threads_idle_openmp_workers(tiny_llm, monkeypatch):
+    """On a CPU, generate ends by releasing the calling thread's idle OpenMP workers, so that the next generate,
+    from whatever thread (a web framework's pool), has the only ones."""
+    calls = []
+    monkeypatch.setattr(kernels, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+    thread = threading.Thread(target=tiny_llm.generate, args=([[1, 2, 3]], SamplingParams(max_tokens=2), False))
+    thread.start()
+    thread.join()
+    assert calls == [thread.ident]
+
+
 def test_bfloat16_on_cpu_runs_and_agrees_with_float32(default_folder, folder_llm):
     """bf16 end to end (weights, KV cache, RMSNorm in fp32, fp32 logits): the first greedy tokens agree with fp32."""
     llm = LLM(model=default_folder, device="cpu", dtype="bfloat16", num_kv_blocks=64)
