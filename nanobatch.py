@@ -49,6 +49,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections import OrderedDict, deque
@@ -2356,9 +2357,10 @@ class CpuThreads:
 
 
 def release_cpu_workers(llm):
-    """At the end of generate, on a CPU: this thread's idle OpenMP workers end (kernels.release_openmp_workers),
-    so that a later generate from another thread (a web framework's thread pool) has the only ones."""
-    if llm.cpu_threads is not None:
+    """At the end of generate on a CPU, in a thread other than the main one: this thread's idle OpenMP workers end
+    (kernels.release_openmp_workers, ~1 ms, and as much to start new ones), so that a later generate from another
+    thread (a web framework's thread pool) has the only ones."""
+    if llm.cpu_threads is not None and threading.current_thread() is not threading.main_thread():
         kernels.release_openmp_workers()
 
 

@@ -323,13 +323,15 @@ def test_release_openmp_workers_ends_this_threads_idle_workers():
 
 
 def test_generate_ends_its_threads_idle_openmp_workers(tiny_llm, monkeypatch):
-    """On a CPU, generate ends by releasing the calling thread's idle OpenMP workers, so that the next generate,
-    from whatever thread (a web framework's pool), has the only ones."""
+    """On a CPU, generate in a thread other than the main one ends by releasing that thread's idle OpenMP workers,
+    so that the next generate, from whatever thread (a web framework's pool), has the only ones."""
     calls = []
     monkeypatch.setattr(kernels, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
     thread = threading.Thread(target=tiny_llm.generate, args=([[1, 2, 3]], SamplingParams(max_tokens=2), False))
     thread.start()
     thread.join()
+    assert calls == [thread.ident]
+    tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # the main thread keeps its own
     assert calls == [thread.ident]
 
 
