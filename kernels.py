@@ -85,6 +85,7 @@ Tests: python -m pytest -q test_nanobatch.py -k "attention or store_kv or kernel
 """
 
 import contextlib
+import ctypes
 import functools
 import glob
 import math
@@ -1863,8 +1864,8 @@ def rms_norm_cpu(x, weight, eps, residual=None):
 def _c_function(fn, *arg_types):
     """fn (arguments: numba type names) compiled by numba.cfunc, as a ctypes function, or None where numba is
     missing or cannot compile it (with a warning; the caller takes its other route). A decode step's small calls
-    go this way: inside a step an RMSNorm call costs ~35 us so, ~100 through numpy views and numba's dispatch
-    of the parallel loops (each runs cold after the matmuls)."""
+    go this way: a call through ctypes on the data pointers skips the numpy views and numba's dispatch of the
+    parallel loops (each runs cold after the matmuls; docs/kernels.md has the figures)."""
     numba = _numba() if USE_CPU_LOOPS else None
     if numba is None:
         return None
@@ -1916,8 +1917,8 @@ def rotary_cpu(q, k, rope, store=None):
     return q_out if store is not None else (q_out, k_out)
 
 
-# Below this many q and k elements rotary_cpu calls _rotary_pointers on the calling thread: a 48-row decode
-# step's rotary takes ~10 us there, against ~20 us of waking numba's threads.
+# Below this many q and k elements rotary_cpu calls _rotary_pointers on the calling thread: a decode step's
+# rotary takes less time there than waking numba's threads does.
 ROTARY_C_WORK = 4 * LOOP_MIN_WORK
 
 
@@ -2127,8 +2128,6 @@ def kv_pool(shape, dtype, device):
     start = -raw.data_ptr() % HUGE_PAGE
     pool = raw[start : start + nbytes]
     try:
-        import ctypes
-
         madvise = ctypes.CDLL(None).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise(pool.data_ptr(), nbytes - nbytes % HUGE_PAGE, MADV_HUGEPAGE)  # (an error: 4 KB pages, as before)
@@ -2142,7 +2141,7 @@ def release_openmp_workers():
     the one numba's loops use); the next parallel region this thread starts makes new ones. libgomp counts the
     workers of every thread that ever ran a parallel region, idle or not, and once they outnumber the cores it
     stops letting workers spin between regions: each region started from another thread then waits for its
-    workers to wake up (a 48-row matmul ~1.5x slower). So an engine loaded in one thread and stepped in another
+    workers to wake up (docs/kernels.md). So an engine loaded in one thread and stepped in another
     (start_server, a user's own thread) runs at full speed only once the loading thread's workers are gone.
     Linux only (it reads /proc/self/maps); nothing where a libgomp lacks OpenMP 5.0's omp_pause_resource_all."""
     try:
@@ -2150,8 +2149,6 @@ def release_openmp_workers():
             paths = {line.split()[-1] for line in f if "libgomp" in line.rsplit("/", 1)[-1]}
     except OSError:
         return
-    import ctypes
-
     for path in sorted(paths):
         try:
             ctypes.CDLL(path).omp_pause_resource_all(2)  # omp_pause_hard: this thread's pool of workers ends

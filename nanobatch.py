@@ -2358,8 +2358,8 @@ class CpuThreads:
 
 def release_cpu_workers(llm):
     """At the end of generate on a CPU, in a thread other than the main one: this thread's idle OpenMP workers end
-    (kernels.release_openmp_workers, ~1 ms, and as much to start new ones), so that a later generate from another
-    thread (a web framework's thread pool) has the only ones."""
+    (kernels.release_openmp_workers), so that a later generate from another thread (a web framework's thread pool)
+    has the only ones. The main thread, the usual caller, keeps its own: ending and restarting them costs a little."""
     if llm.cpu_threads is not None and threading.current_thread() is not threading.main_thread():
         kernels.release_openmp_workers()
 

@@ -1869,10 +1869,9 @@ class Server:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def serve_forever(self):
-        """Serve until Ctrl-C: the engine's loop in this thread, uvicorn in a thread of its own. On a CPU the
-        thread that loaded the model should run its steps: torch's OpenMP keeps a team of worker threads per
-        calling thread, and with two teams on a machine's cores libgomp stops letting idle workers spin, so
-        every parallel region waits for its workers to wake (a 48-row matmul took 2x as long in a second thread)."""
+        """Serve until Ctrl-C: the engine's loop in this thread (the one that loaded the model, whose OpenMP
+        workers its steps use: see kernels.release_openmp_workers), uvicorn in a thread of its own; Ctrl-C and
+        SIGTERM reach this thread and end both."""
         if self.engine.thread is not threading.current_thread():
             raise RuntimeError("serve_forever runs the engine's loop: make the Server with engine_here=True")
 
