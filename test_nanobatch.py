@@ -6300,6 +6300,12 @@ def bench_cli(capsys, *argv):
             "--tokenizer goes with --model random-qwen3-0.6b or random-tiny-llama; a real model brings its own",
         ),
         (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python is not an executable file"),
+        (["--workload", "served"], "--workload served needs --vllm-python: its client is vLLM's own `vllm bench"),
+        (
+            ["--workload", "served", "--vllm-python", sys.executable, "--client-runs", "0"],
+            "--max-concurrency and --client-runs must be >= 1",
+        ),
+        (["--client-runs", "2"], "--client-runs does not apply to --workload random"),
         (
             ["--llamacpp-python", "/no/such/python", "--systems", "llamacpp"],
             "--llamacpp-python /no/such/python is not an executable file",
@@ -6517,6 +6523,53 @@ def test_bench_sees_the_cpu_other_processes_take():
         [bench.SystemResult("nanobatch", 1.0, 10, load=load.averages, others_cores=load.others_cores)]
     )
     assert "BUSY during nanobatch" in line
+
+
+FAKE_VLLM_CLIENT = """
+import json, os, statistics, sys, time, urllib.request
+
+argv = sys.argv[2:]  # (argv[1]: bench's vllm_cli.py)
+assert argv[:2] == ["bench", "serve"], argv
+opt = {k[2:]: v for k, v in zip(argv, argv[1:]) if k.startswith("--")}
+with open(os.environ["FAKE_CLIENT_LOG"], "a") as log:
+    log.write(opt["seed"] + "\\n")
+ttfts, tpots, start = [], [], time.perf_counter()
+for i in range(int(opt["num-prompts"])):
+    body = dict(model=opt["model"], prompt=f"run {opt['seed']} request {i}", max_tokens=int(opt["random-output-len"]),
+                ignore_eos=True, temperature=0)
+    request = urllib.request.Request(opt["base-url"] + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(request) as r:
+        assert json.load(r)["usage"]["completion_tokens"] == int(opt["random-output-len"])
+    ttfts.append((time.perf_counter() - t) * 1e3)
+    tpots.append(ttfts[-1] / int(opt["random-output-len"]))
+tokens = int(opt["num-prompts"]) * int(opt["random-output-len"])
+result = dict(output_throughput=tokens / (time.perf_counter() - start), median_ttft_ms=statistics.median(ttfts),
+              median_tpot_ms=statistics.median(tpots), completed=int(opt["num-prompts"]), failed=0)
+with open(os.path.join(opt["result-dir"], opt["result-filename"]), "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_bench_served_runs_each_server_under_the_client_with_a_seed_a_run(tiny_models, tmp_path, capsys, monkeypatch):
+    """--workload served: nanobatch's server starts on a free port, the client (a stand-in for vLLM's `bench serve`,
+    sending real requests) runs twice, with seeds 1 and 2, the table has both runs, and the server is gone after."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_VLLM_CLIENT)
+    fake.chmod(0o755)
+    monkeypatch.setenv("FAKE_CLIENT_LOG", str(tmp_path / "seeds.txt"))
+    argv = ["--workload", "served", "--systems", "nanobatch", "--vllm-python", str(fake), "--num-requests", "3"]
+    argv += ["--max-prompt-len", "8", "--max-output-len", "4", "--max-concurrency", "2", "--max-num-seqs", "4"]
+    argv += ["--model", tiny_models["llama-gqa-untied"][0], "--dtype", "float32", "--json", str(tmp_path / "r.json")]
+    rc, out, err = bench_cli(capsys, *argv)
+    assert not rc, err  # (None: cli's success)
+    assert (tmp_path / "seeds.txt").read_text().split() == ["1", "2"]
+    rows = [line.split() for line in out.splitlines() if line.startswith("nanobatch ")]
+    assert [r[1] for r in rows] == ["1", "2"] and all(r[-2:] == ["3", "0"] for r in rows), out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [r["seed"] for r in saved["served"]] == [1, 2] and saved["workload"]["max_concurrency"] == 2
+    assert "nanobatch.py --serve" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
 # ---- CLI ----
