@@ -1511,10 +1511,10 @@ def run_served(args, model_path):
                 with http_server(system, args, model, folder) as (url, pid), MachineLoad(pid) as load:
                     for seed in range(1, args.client_runs + 1):
                         r = serve_client(args, url, model, folder, system, seed)
-                        mine.append(ServedRun(system, seed, r["output_throughput"], r["median_ttft_ms"]))
-                        mine[-1].median_tpot_ms, mine[-1].completed = r["median_tpot_ms"], r["completed"]
-                        mine[-1].failed = r.get("failed", args.num_requests - r["completed"])
-                        print(f"[{system}] run {seed}: {r['output_throughput']:.1f} tok/s", file=sys.stderr, flush=True)
+                        failed = r.get("failed", args.num_requests - r["completed"])
+                        numbers = (r["output_throughput"], r["median_ttft_ms"], r["median_tpot_ms"], r["completed"])
+                        mine.append(ServedRun(system, seed, *numbers, failed))
+                        print(f"[{system}] run {seed}: {numbers[0]:.1f} tok/s", file=sys.stderr, flush=True)
             except RuntimeError as e:
                 mine.append(ServedRun(system, 0, skipped=str(e)))
             for r in mine if load else []:
