@@ -2728,7 +2728,8 @@ def build_arg_parser():
     p.add_argument(
         "--vllm-python",
         metavar="PATH",
-        help="the python of a virtual environment with vLLM installed: runs the vllm system",
+        help="the python of a virtual environment with vLLM installed: runs the vllm system "
+        "(and --workload served's client)",
     )
     p.add_argument(
         "--llamacpp-python",
