@@ -1528,10 +1528,11 @@ def _numba():
         import numba
     except ImportError:
         return None
-    global prange, carray, prefetch
+    global prange, carray, prefetch, _as_f32, _as_u32
     prange = numba.prange  # read by the loops when numba compiles them: their outer loop runs in parallel
     carray = numba.carray  # an array over a data pointer (the C functions')
     prefetch = _prefetch_intrinsic()
+    _as_f32, _as_u32 = _bit_cast_intrinsics()
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
@@ -1640,9 +1641,28 @@ def _prefetch_intrinsic():
     return prefetch
 
 
+@functools.cache
+def _bit_cast_intrinsics():
+    """_as_f32 and _as_u32 as numba compiles them: LLVM's bitcast between a uint32 and an fp32 (no
+    instruction at all), so that a loop widens, rounds and narrows bf16 values in registers."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def as_f32(typingctx, bits):
+        return types.float32(types.uint32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
+
+    @intrinsic
+    def as_u32(typingctx, value):
+        return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+
+    return as_f32, as_u32
+
+
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_round", "_narrow", "_rotate_head", "_rms_norm_row", "_rotary_token")
+_LOOP_HELPERS = ("_widen", "_bf16", "_narrow", "_round", "_rotate_head", "_rms_norm_row", "_rotary_token")
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1941,72 +1961,78 @@ def _compile_elementwise(loops):
     return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
 
 
-def _widen(bits, out):
-    """bf16 bits (int16) -> fp32 values, into out's uint32 view (bf16 is the top half of an fp32)."""
-    for d in range(len(bits)):
-        out[d] = np.uint32(np.uint16(bits[d])) << 16
+def _as_f32(bits):
+    """The fp32 whose bits are bits (a uint32): a bit cast, as numba compiles it (_bit_cast_intrinsics)."""
+    return np.uint32(bits).view(np.float32)
+
+
+def _as_u32(value):
+    """The bits of an fp32 value, as a uint32 (the reverse bit cast)."""
+    return np.float32(value).view(np.uint32)
+
+
+def _widen(h):
+    """bf16 bits (an int16) -> the fp32 value (bf16 is the top half of an fp32)."""
+    return _as_f32(np.uint32(np.uint16(h)) << 16)
+
+
+def _bf16(value):
+    """An fp32 value rounded to bf16 (still an fp32), to nearest even, a NaN kept a (quiet) NaN: torch's .to(bf16)."""
+    b = _as_u32(value)
+    rounded = ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16) << 16
+    return _as_f32(np.uint32(0x7FC00000) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+
+def _narrow(value):
+    """A rounded fp32 value -> its bf16 bits (an int16)."""
+    return np.int16(np.uint16(_as_u32(value) >> 16))
 
 
 def _round(values):
-    """Round fp32 values (a uint32 view of them) to bf16 in place, to nearest even, NaN kept a (quiet) NaN."""
+    """Round fp32 values (a uint32 view of them) to bf16 in place."""
     for d in range(len(values)):
-        b = values[d]
-        rounded = ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16) << 16
-        values[d] = np.uint32(0x7FC00000) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded
-
-
-def _narrow(values, out):
-    """Rounded fp32 values (uint32 view) -> their bf16 bits (int16)."""
-    for d in range(len(values)):
-        out[d] = np.int16(np.uint16(values[d] >> 16))
+        values[d] = _as_u32(_bf16(_as_f32(values[d])))
 
 
 def _rms_norm_loops(x, residual, weight, out, eps):
     """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits."""
     rows, dim = x.shape
-    w_bits = np.empty(dim, np.uint32)
-    _widen(weight, w_bits)
+    w = np.empty(dim, np.float32)
+    for d in range(dim):
+        w[d] = _widen(weight[d])
     add = residual.shape[0] > 0
     for i in prange(rows):
-        _rms_norm_row(x[i], residual[i] if add else x[i], add, w_bits.view(np.float32), eps, out[i])
+        _rms_norm_row(x[i], residual[i] if add else x[i], add, w, eps, out[i])
 
 
 def _rms_norm_pointers(x, residual, weight, out, rows, residual_rows, dim, eps):
     """_rms_norm_loops on the calling thread, over the tensors' data pointers: compiled as a C function
     (_c_function), called through ctypes without numpy views or numba's type dispatch."""
     x, out = carray(x, (rows, dim), np.int16), carray(out, (rows, dim), np.int16)
-    residual = carray(residual, (residual_rows, dim), np.int16)
-    w_bits = np.empty(dim, np.uint32)
-    _widen(carray(weight, (dim,), np.int16), w_bits)
+    residual, weight = carray(residual, (residual_rows, dim), np.int16), carray(weight, (dim,), np.int16)
+    w = np.empty(dim, np.float32)
+    for d in range(dim):
+        w[d] = _widen(weight[d])
     for i in range(rows):
-        _rms_norm_row(
-            x[i], residual[i] if residual_rows else x[i], residual_rows > 0, w_bits.view(np.float32), eps, out[i]
-        )
+        _rms_norm_row(x[i], residual[i] if residual_rows else x[i], residual_rows > 0, w, eps, out[i])
 
 
 def _rms_norm_row(x, residual, add, w, eps, out):
-    """One row: where add, x + residual in bf16, written back into residual; then its RMSNorm into out."""
+    """One row: where add, x + residual in bf16, written back into residual; then its RMSNorm into out.
+    Two passes over the row, each element widened, rounded and narrowed in registers."""
     dim = len(x)
-    bits, r_bits = np.empty(dim, np.uint32), np.empty(dim, np.uint32)
-    v, r = bits.view(np.float32), r_bits.view(np.float32)
-    _widen(x, bits)
-    if add:  # the residual stream's add
-        _widen(residual, r_bits)
-        for d in range(dim):
-            v[d] += r[d]
-        _round(bits)
-        _narrow(bits, residual)
+    v = np.empty(dim, np.float32)  # the row in fp32 (after the add)
     squares = np.float32(0.0)
     for d in range(dim):
-        squares += v[d] * v[d]
+        value = _widen(x[d])
+        if add:  # the residual stream's add, in bf16
+            value = _bf16(value + _widen(residual[d]))
+            residual[d] = _narrow(value)
+        v[d] = value
+        squares += value * value
     scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
     for d in range(dim):
-        v[d] *= scale
-    _round(bits)  # x.to(bf16)
-    for d in range(dim):
-        v[d] *= w[d]
-    _round(bits)  # weight * x, in bf16
-    _narrow(bits, out)
+        out[d] = _narrow(_bf16(_bf16(v[d] * scale) * w[d]))  # x.to(bf16), then weight * x in bf16
 
 
 def _rotary_loops(q, k, v, rope, slots, q_out, k_out, v_out):
@@ -2037,46 +2063,35 @@ def _rotary_pointers(
 def _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out):
     """Token i of _rotary_loops: its q heads rotated into q_out[i]; where slots[i] >= 0, its k heads rotated
     into k_out[slots[i]] and its v copied into v_out[slots[i]]."""
-    head_dim = q.shape[2]
-    half = head_dim // 2
-    c_bits, s_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
-    c, s = c_bits.view(np.float32), s_bits.view(np.float32)
-    for d in range(half):  # HF's cat(freqs, freqs): each angle twice
-        c[d] = c[d + half] = rope[i, d]
-        s[d] = s[d + half] = rope[i, half + d]
-    _round(c_bits)
-    _round(s_bits)
-    x_bits, r_bits = np.empty(head_dim, np.uint32), np.empty(head_dim, np.uint32)
+    half = q.shape[2] // 2
+    c, s = np.empty(half, np.float32), np.empty(half, np.float32)  # HF's cat(freqs, freqs): each angle twice
+    for d in range(half):
+        c[d], s[d] = _bf16(rope[i, d]), _bf16(rope[i, half + d])
+    x = np.empty(2 * half, np.float32)  # a head, widened
     for h in range(q.shape[1]):
-        _rotate_head(q[i, h], c, s, x_bits, r_bits, q_out[i, h])
+        _rotate_head(q[i, h], c, s, x, q_out[i, h])
     slot = slots[i]
     if slot < 0:  # -1: this token's K/V are not written
         return
     for h in range(k.shape[1]):
-        _rotate_head(k[i, h], c, s, x_bits, r_bits, k_out[slot, h])
+        _rotate_head(k[i, h], c, s, x, k_out[slot, h])
     if v.shape[0]:
         for h in range(v.shape[1]):
-            for d in range(head_dim):
+            for d in range(2 * half):
                 v_out[slot, h, d] = v[i, h, d]
 
 
-def _rotate_head(x, c, s, x_bits, r_bits, out):
-    """One head: x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's ops do."""
-    half = len(x) // 2
-    xv, rv = x_bits.view(np.float32), r_bits.view(np.float32)
-    _widen(x, x_bits)
-    for d in range(half):  # rotate_half(x) = cat(-x2, x1)
-        rv[d] = -xv[d + half]
-        rv[d + half] = xv[d]
-    for d in range(len(x)):
-        xv[d] *= c[d]
-        rv[d] *= s[d]
-    _round(x_bits)  # x * cos, in bf16
-    _round(r_bits)  # rotate_half(x) * sin, in bf16
-    for d in range(len(x)):
-        xv[d] += rv[d]
-    _round(x_bits)  # their sum, in bf16
-    _narrow(x_bits, out)
+def _rotate_head(head, c, s, x, out):
+    """One head: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), each product and the sum
+    rounded to bf16 as torch's ops do. c, s: the half-width cos and sin (rounded); x: the head's fp32 scratch
+    (widened there first: a strided view of the qkv output does not run in SIMD lanes, a contiguous row does)."""
+    half = len(c)
+    for d in range(2 * half):
+        x[d] = _widen(head[d])
+    for d in range(half):
+        x1, x2 = x[d], x[d + half]
+        out[d] = _narrow(_bf16(_bf16(x1 * c[d]) - _bf16(x2 * s[d])))
+        out[d + half] = _narrow(_bf16(_bf16(x2 * c[d]) + _bf16(x1 * s[d])))
 
 
 # ---- The CPU path: which dtype, the KV pool's pages, weight packing, greedy argmax and top-p without a sort ----
