@@ -1549,8 +1549,11 @@ def _compile(loops, probe, what, fallback):
     try:
         # cache=True: compiled once per checkout (seconds), then loaded from __pycache__; reassoc lets the
         # dot products run in SIMD lanes (IEEE infinities and NaNs are kept); numpy's error model: 0/0 gives
-        # NaN (a row whose every score is -inf, as in the reference), not an exception
-        compiled = numba.njit(parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(loops)
+        # NaN (a row whose every score is -inf, as in the reference), not an exception; nogil: other Python
+        # threads (a server's event loop) run while the loops do, as they do during torch's ops
+        compiled = numba.njit(
+            parallel=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True
+        )(loops)
         compiled(*probe)
     except Exception as e:  # e.g. no writable cache folder, or a numba that cannot compile this
         warnings.warn(f"kernels: {what} ({type(e).__name__}: {e}); {fallback}")
