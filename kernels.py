@@ -1665,7 +1665,7 @@ def _bit_cast_intrinsics():
 
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_bf16", "_narrow", "_round", "_rotate_head", "_rms_norm_row", "_rotary_token")
+_LOOP_HELPERS = ("_widen", "_widened", "_bf16", "_narrow", "_round", "_rotate_head", "_rms_norm_row", "_rotary_token")
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1979,6 +1979,14 @@ def _widen(h):
     return _as_f32(np.uint32(np.uint16(h)) << 16)
 
 
+def _widened(bits):
+    """bf16 bits (an int16 array) -> a new fp32 array of their values."""
+    values = np.empty(len(bits), np.float32)
+    for d in range(len(bits)):
+        values[d] = _widen(bits[d])
+    return values
+
+
 def _bf16(value):
     """An fp32 value rounded to bf16 (still an fp32), to nearest even, a NaN kept a (quiet) NaN: torch's .to(bf16)."""
     b = _as_u32(value)
@@ -2000,10 +2008,7 @@ def _round(values):
 def _rms_norm_loops(x, residual, weight, out, eps):
     """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits."""
     rows, dim = x.shape
-    w = np.empty(dim, np.float32)
-    for d in range(dim):
-        w[d] = _widen(weight[d])
-    add = residual.shape[0] > 0
+    w, add = _widened(weight), residual.shape[0] > 0
     for i in prange(rows):
         _rms_norm_row(x[i], residual[i] if add else x[i], add, w, eps, out[i])
 
@@ -2012,10 +2017,7 @@ def _rms_norm_pointers(x, residual, weight, out, rows, residual_rows, dim, eps):
     """_rms_norm_loops on the calling thread, over the tensors' data pointers: compiled as a C function
     (_c_function), called through ctypes without numpy views or numba's type dispatch."""
     x, out = carray(x, (rows, dim), np.int16), carray(out, (rows, dim), np.int16)
-    residual, weight = carray(residual, (residual_rows, dim), np.int16), carray(weight, (dim,), np.int16)
-    w = np.empty(dim, np.float32)
-    for d in range(dim):
-        w[d] = _widen(weight[d])
+    residual, w = carray(residual, (residual_rows, dim), np.int16), _widened(carray(weight, (dim,), np.int16))
     for i in range(rows):
         _rms_norm_row(x[i], residual[i] if residual_rows else x[i], residual_rows > 0, w, eps, out[i])
 
