@@ -3431,6 +3431,7 @@ else:
         "kernels.py was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
     )
 needs_gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU with compiled (not interpreted) Triton")
+needs_interpreter = pytest.mark.skipif(not kernels.TRITON_INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
 
 # |got - want| <= ATOL + RTOL * |want|, want in float64 from the same (rounded) inputs
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -4524,8 +4525,8 @@ def test_cuda_kv_pool_is_sized_from_gpu_memory_utilization(tiny_models):
 
 @needs_gpu
 def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
-    """Prefix caching, preemption with chunked prefill, n > 1, beam search and structured outputs on CUDA
-    (fp32, compiled Triton kernels): the same tokens as the CPU engine gives for the same requests."""
+    """Prefix caching, preemption with chunked prefill, n > 1 and beam search on CUDA (fp32, compiled Triton
+    kernels): the same tokens as the CPU engine gives for the same requests."""
     folder = tiny_models["llama-gqa-untied"][0]
     cpu = LLM(model=folder, num_kv_blocks=64, block_size=16, **CPU)
     cuda = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
@@ -4561,6 +4562,19 @@ def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
     beams = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
     got, expected = (llm.beam_search(prompts[:3], beams) for llm in (cuda, cpu))
     assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in expected]
+    for llm in (cpu, cuda, small):
+        assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
+
+
+@needs_gpu
+def test_cuda_structured_outputs_match_the_cpu_engine(tiny_models):
+    """Regex, choice and JSON-schema constraints on CUDA: the same text as the CPU engine's (xgrammar's masks)."""
+    pytest.importorskip("xgrammar")
+    folder = tiny_models["llama-gqa-untied"][0]
+    cpu = LLM(model=folder, num_kv_blocks=64, block_size=16, **CPU)
+    cuda = LLM(model=folder, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 9000) for _ in range(n)] for n in (3, 20, 41)]
     constraints = [
         constrained(regex="[0-9]{3}-[a-z]{2}"),
         constrained(choice=["red", "green", "blue"]),
@@ -4571,7 +4585,7 @@ def test_cuda_engine_features_match_the_cpu_engine(tiny_models):
     )
     assert [c.text for c in got] == [c.text for c in expected]
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", got[0].text) and got[1].text in ("red", "green", "blue")
-    for llm in (cpu, cuda, small):
+    for llm in (cpu, cuda):
         assert llm.allocator.num_free_blocks == llm.allocator.num_blocks
 
 
@@ -4663,6 +4677,7 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
     assert {1, 2, 4, 8, 12} <= set(replayed), "decode steps of every bucket replayed"
 
 
+@needs_interpreter
 def test_graph_replay_with_triton_and_split_kv_on_a_cpu(tiny_models, monkeypatch):
     """The graph path as an H100 runs it, on a CPU: every kernel Triton's (interpreted), the device facts of an H100
     (132 SMs, so small decode batches split their keys), the graphs' max_model_len-wide block tables, and the
