@@ -2170,13 +2170,17 @@ def record_stats(llm, batch):
 
 
 def num_filled_slots(scheduler):
-    """Token slots holding K/V in the blocks in use, a block counted once however many sequences hold it
-    (every block in use is held by a running sequence). Counted at a new peak only: a step costs nothing."""
-    bs, filled = scheduler.block_size, {}
+    """Token slots holding K/V in the blocks in use, a block counted once however many sequences hold it. Every
+    block in use is held by a running sequence, and only a sequence's tail (its partial block, and any allocated
+    ahead) is not full: so the blocks' slots less the tails' empty ones. O(sequences), not O(blocks): while
+    sequences grow, nearly every step is a new peak."""
+    bs, allocator, tails = scheduler.block_size, scheduler.allocator, {}
     for seq in scheduler.running:
-        for i, block_id in enumerate(seq.block_ids[: -(-seq.num_computed_tokens // bs)]):
-            filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
-    return sum(filled.values())
+        for i in range(seq.num_computed_tokens // bs, len(seq.block_ids)):
+            block_id = seq.block_ids[i]  # a tail block shared by forked samples is counted once
+            tails[block_id] = max(tails.get(block_id, 0), seq.num_computed_tokens - i * bs)
+    in_use = allocator.num_blocks - allocator.num_free_blocks
+    return in_use * bs - sum(bs - filled for filled in tails.values())
 
 
 class BlockTables:
