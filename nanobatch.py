@@ -2268,12 +2268,16 @@ def pack_inputs(llm, batch):
             sampled.append(seq)
         start += num_new
     prompt_rows, prompt_spans = prompt_logprob_rows(batch)  # hook (Logprobs)
-    num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # (num_seqs,)
-    starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
-    # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
-    positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
+    if start == len(batch.seqs):  # one token a sequence (decode): token i is sequence i's last (fewer ops)
+        starts, seq_of_token = torch.arange(start + 1, dtype=torch.int32), torch.arange(start)
+        positions = seq_lens.long() - 1  # (num_tokens,)
+    else:
+        num_new = torch.tensor(batch.num_new_tokens)  # (num_seqs,)
+        starts = F.pad(num_new.cumsum(0), (1, 0)).to(torch.int32)  # (num_seqs + 1,)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
+        # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
+        positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
     rows = llm.block_tables.rows(batch.seqs)  # (num_seqs,), and writes only what changed since the last step
     max_blocks = max(len(s.block_ids) for s in batch.seqs)
     block_tables = llm.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
