@@ -50,20 +50,20 @@ Workloads (--workload):
                     beams would hold unshared (k independent sequences of the same lengths)
 
 Per system: output tokens/s, seconds, tokens/s relative to nanobatch, peak memory (what the run adds to the
-loaded model: see PeakMemory), and for the systems that report per-request times, time to first token
-(TTFT, mean and p99) and time per output token (TPOT); "same out": the requests whose output tokens equal
-those of the first greedy system in the table (the reference, named under it; sampled systems are not
-compared). Each system has one small warm-up run first. For every nanobatch system (structured and beam
-included; not nanobatch-tpN) also: KV blocks in use at the peak, KV memory utilisation (tokens stored / token
-slots allocated, the PagedAttention paper's measure), for nanobatch the ideal wall time (the longest request
-run alone) next to the actual one, and the host time per step: everything LLM.step does outside the model
-forward (schedule, prepare inputs, sample, append and detokenize), measured by timing the model's forward and
-nanobatch.replay_graph (on a GPU its CUDA graph's replay; synchronised there), with its share of the step;
-inside it, apart, the sampler's tensor work (nanobatch.sample_fast over the logits) and the Python bookkeeping
-left (beam search picks its beams outside nanobatch.sample_fast, and structured outputs build their masks
-outside it: bookkeeping there). On a GPU (or with --roofline): the decode roofline at batch 1, 16 and
-max_num_seqs, the bytes one decode step must read (weights plus live KV) over the measured copy bandwidth,
-next to the measured decode step time.
+loaded model: see PeakMemory), and for the systems that report per-request times, time to first token (TTFT,
+mean and p99) and time per output token (TPOT); "same out": the requests whose output tokens equal those of
+the first greedy system in the table (the reference, named under it; sampled systems are not compared). Each
+system has one small warm-up run first (4 requests of 128-256 prompt and 4-8 output tokens). For every
+nanobatch system (structured and beam included; not nanobatch-tpN) also: KV blocks in use at the peak, KV
+memory utilisation (tokens stored / token slots allocated, the PagedAttention paper's measure), for
+nanobatch the ideal wall time (the longest request run alone) next to the actual one, and the host time per
+step: everything LLM.step does outside the model forward (schedule, prepare inputs, sample, append and
+detokenize), measured by timing the model's forward and nanobatch.replay_graph (on a GPU its CUDA graph's
+replay; synchronised there), with its share of the step; inside it, apart, the sampler's tensor work
+(nanobatch.sample_fast over the logits) and the Python bookkeeping left (beam search picks its beams outside
+nanobatch.sample_fast, and structured outputs build their masks outside it: bookkeeping there). On a GPU (or
+with --roofline): the decode roofline at batch 1, 16 and max_num_seqs, the bytes one decode step must read
+(weights plus live KV) over the measured copy bandwidth, next to the measured decode step time.
 
 On a GPU the default model is a randomly initialised model with the shape of Qwen3-0.6B (bf16), built here;
 on a CPU it is SmolLM2-135M-Instruct (the GGUF file nanobatch loads by default). dtype: --dtype, the same for
@@ -317,7 +317,9 @@ QWEN3_0_6B_SHAPE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-WARMUP = dict(num_requests=4, min_prompt_len=16, max_prompt_len=32, min_output_len=4, max_output_len=8)
+# prompts long enough that the warm-up's prefill step takes a large step's paths (on a CPU the parallel loops and
+# oneDNN's large-batch kernels, loaded on first use), as vLLM's start-up run of its largest step does for it
+WARMUP = dict(num_requests=4, min_prompt_len=128, max_prompt_len=256, min_output_len=4, max_output_len=8)
 MEMORY_SAMPLE_SECONDS = 0.005  # how often the CPU memory sampler reads the process RSS
 
 
