@@ -1862,6 +1862,13 @@ def _argmax_loops(x, out):
 def rms_norm_cpu(x, weight, eps, residual=None):
     """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16.
     With residual (x's shape, contiguous): x + residual first, written into residual -> (normed, residual)."""
+    if residual is not None and _c_rows(x, residual, weight) and x.numel() < LOOP_MIN_WORK:
+        one_thread = _rms_norm_c()  # a decode step's norms: one C call on the data pointers
+        if one_thread is not None:
+            out = torch.empty_like(x)
+            rows, dim = x.shape
+            one_thread(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, rows, dim, eps)
+            return out, residual
     if not _bf16_loops_apply(x, weight, *([] if residual is None else [residual])) or weight.shape != x.shape[-1:]:
         return None
     if residual is not None and not (residual.shape == x.shape and residual.is_contiguous()):
@@ -1872,15 +1879,37 @@ def rms_norm_cpu(x, weight, eps, residual=None):
     x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
     r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
-    small = x2.numel() < LOOP_MIN_WORK and weight.is_contiguous()
-    one_thread = (
-        _c_function(_rms_norm_pointers, *["voidptr"] * 4, "int64", "int64", "int64", "float64") if small else None
-    )
-    if one_thread is not None:  # a decode step's norms: a C call on the data pointers
+    one_thread = _rms_norm_c() if x2.numel() < LOOP_MIN_WORK and weight.is_contiguous() else None
+    if one_thread is not None:  # a few rows (Qwen3's q/k norms in a decode step): a C call on the data pointers
         one_thread(*(t.data_ptr() for t in (x2, r2, weight, out)), len(x2), len(r2), x2.shape[1], eps)
     else:
         loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight, out)), eps)
     return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
+
+
+def _c_rows(x, residual, weight):
+    """What the C functions read through data pointers: x (rows, dim) and residual (its shape), weight (dim,),
+    CPU bf16 and contiguous. In as few torch calls as check it: a decode step's small ops run right after a
+    matmul, whose weights leave the caches cold, and each distinct torch call then costs ~2-10 us
+    (docs/kernels.md)."""
+    return (
+        USE_CPU_LOOPS
+        and x.dtype == residual.dtype == weight.dtype == torch.bfloat16
+        and x.is_cpu
+        and residual.is_cpu
+        and weight.is_cpu
+        and x.dim() == 2
+        and x.shape == residual.shape
+        and weight.shape == x.shape[1:]
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and weight.is_contiguous()
+    )
+
+
+@functools.cache
+def _rms_norm_c():
+    return _c_function(_rms_norm_pointers, *["voidptr"] * 4, "int64", "int64", "int64", "float64")
 
 
 @functools.cache
