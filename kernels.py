@@ -1890,8 +1890,8 @@ def rms_norm_cpu(x, weight, eps, residual=None):
 def _c_rows(x, residual, weight):
     """What the C functions read through data pointers: x (rows, dim) and residual (its shape), weight (dim,),
     CPU bf16 and contiguous. In as few torch calls as check it: a decode step's small ops run right after a
-    matmul, whose weights leave the caches cold, and each distinct torch call then costs ~2-10 us
-    (docs/kernels.md)."""
+    matmul, whose weights leave the caches cold, and each distinct torch call then costs its own cache misses
+    (docs/kernels.md has the figures)."""
     return (
         USE_CPU_LOOPS
         and x.dtype == residual.dtype == weight.dtype == torch.bfloat16
