@@ -31,9 +31,9 @@ plus the dispatcher nanobatch.py calls.
     store_kv / paged_attention / rms_norm /    dispatch: Triton for CUDA tensors; on a CPU the references, the
     silu_and_mul / rotary / rotary_and_store   CPU attention path and the bf16 loops; on a GPU without triton,
                                                the references
-    rms_norm_cpu / rotary_cpu / argmax_rows    the model's add + RMSNorm, rotary embedding (+ K/V store) and
-                                               the sampler's greedy argmax over bf16 CPU tensors, as compiled
-                                               loops (or None: the caller uses torch ops)
+    rms_norm_cpu / rotary_cpu /                the model's add + RMSNorm, rotary embedding (+ K/V store) and
+    silu_and_mul_cpu / argmax_rows             SiLU * up, the sampler's greedy argmax over bf16 CPU tensors, as
+                                               compiled loops (or None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
     sample_nucleus / cpu_prefers_bf16 /        for oneDNN, the sampler's argmax and its top-p without a sort,
     kv_pool / release_openmp_workers           whether "auto" picks bf16 on this CPU, the KV pool in huge pages,
@@ -1275,7 +1275,10 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def silu_and_mul(gate_up):
-    return silu_and_mul_triton(gate_up) if _use_triton(gate_up) else silu_and_mul_ref(gate_up)
+    if _use_triton(gate_up):
+        return silu_and_mul_triton(gate_up)
+    out = silu_and_mul_cpu(gate_up)  # None where the loops do not run
+    return silu_and_mul_ref(gate_up) if out is None else out
 
 
 def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
@@ -1665,7 +1668,17 @@ def _bit_cast_intrinsics():
 
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
 # cache (cache=True) notices a change to this file, not to another one.
-_LOOP_HELPERS = ("_widen", "_widened", "_bf16", "_narrow", "_round", "_rotate_head", "_rms_norm_row", "_rotary_token")
+_LOOP_HELPERS = (
+    "_widen",
+    "_widened",
+    "_bf16",
+    "_narrow",
+    "_round",
+    "_exp",
+    "_rotate_head",
+    "_rms_norm_row",
+    "_rotary_token",
+)
 
 
 # 2**f for f in [0, 1): a degree-5 polynomial (least squares at Chebyshev nodes, relative error 1e-7,
@@ -1680,6 +1693,7 @@ EXP2_POLY = (
     0.0018951072910012572,
 )
 LOG2_E = 1.4426950408889634
+_EXP2_POLY32 = tuple(np.float32(c) for c in EXP2_POLY)  # (numba reads a global tuple as constants)
 
 
 def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, seq_lens, scale, out):
@@ -1850,8 +1864,8 @@ def _argmax_loops(x, out):
 # ---- The CPU path: a decoder layer's small ops over bf16, as compiled loops ----
 # Each torch op over a bf16 (tokens, hidden) tensor widens it to fp32, computes, rounds back and
 # writes a whole new tensor: the residual add and HF's RMSNorm are 9 such ops, the rotary embedding
-# of q and k and the K/V store 8; a loop reads its inputs once and writes its results once. (SwiGLU's
-# silu(gate) * up stays torch's two ops: as a loop it was no faster, measured.)
+# of q and k and the K/V store 8, SwiGLU's silu(gate) * up 2 (and a whole tensor between them); a loop reads its
+# inputs once and writes its results once.
 # The loops round to bf16 where torch does (round to nearest even, NaN kept), so the residual add and
 # the rotary embedding are torch's bit for bit (but for the sign and payload bits of a NaN); RMSNorm
 # differs only where the sum of squares, added in another order, moves x across a rounding step
@@ -1974,6 +1988,19 @@ def rotary_cpu(q, k, rope, store=None):
 ROTARY_C_WORK = 4 * LOOP_MIN_WORK
 
 
+def silu_and_mul_cpu(gate_up):
+    """silu_and_mul_ref of bf16 rows (T, 2 * I) in one pass -> (T, I): torch's bits (silu in fp32, rounded to bf16,
+    then the product rounded), or None where the loops do not run."""
+    if not _bf16_loops_apply(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+        return None
+    loops = _compile_elementwise(_silu_and_mul_loops)
+    if loops is None:
+        return None
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    loops(gate_up.numel(), gate_up.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+    return out
+
+
 def _bf16_loops_apply(*tensors):
     return USE_CPU_LOOPS and all(t.is_cpu and t.dtype == torch.bfloat16 for t in tensors)
 
@@ -1989,6 +2016,7 @@ def _compile_elementwise(loops):
             np.zeros(1, np.int64),
         )
         + (head.copy(),) * 3,  # q, k, v: strided views of the qkv projection's output
+        _silu_and_mul_loops: (row, row[:, :1].copy()),
     }[loops]
     return _compile(loops, probe, f"the compiled {loops.__name__} are off", "the model uses torch ops")
 
@@ -2032,6 +2060,30 @@ def _round(values):
     """Round fp32 values (a uint32 view of them) to bf16 in place."""
     for d in range(len(values)):
         values[d] = _as_u32(_bf16(_as_f32(values[d])))
+
+
+def _exp(x):
+    """exp of an fp32 value in SIMD lanes: 2**y, y = x * log2(e), as 2**floor(y) from the exponent bits (0 below
+    2**-126, inf from 2**128) times EXP2_POLY at y's fraction (numba has no exp that vectorises)."""
+    y = min(max(x * np.float32(LOG2_E), np.float32(-127.0)), np.float32(128.0))
+    whole = np.floor(y)
+    frac = y - whole
+    c0, c1, c2, c3, c4, c5 = _EXP2_POLY32
+    return (c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))) * _as_f32(
+        np.uint32(np.int32(whole) + 127) << 23
+    )
+
+
+def _silu_and_mul_loops(gate_up, out):
+    """gate_up (T, 2 * I), out (T, I): bf16 bits. silu(g) = g / (1 + exp(-g)) in fp32 rounded to bf16, times up,
+    rounded: torch's two ops (its exp and this one agree to fp32's last bits, which bf16 rounds away).
+    Infinities and NaNs as torch: silu(-inf) is NaN, silu(inf) inf."""
+    n = out.shape[1]
+    for i in prange(gate_up.shape[0]):
+        for d in range(n):
+            g = _widen(gate_up[i, d])
+            silu = _bf16(g / (np.float32(1.0) + _exp(-g)))
+            out[i, d] = _narrow(_bf16(silu * _widen(gate_up[i, n + d])))
 
 
 def _rms_norm_loops(x, residual, weight, out, eps):

@@ -1268,6 +1268,32 @@ def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, kv_heads,
     same_bits(got_residual, want_sum)  # written in place
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    inter=st.integers(1, 100),
+    scale=st.sampled_from([0.01, 1.0, 50.0]),
+    special=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_bf16_silu_and_mul_loop_matches_torch(tokens, inter, scale, special, seed):
+    """SwiGLU's silu(gate) * up as one compiled loop: torch's two ops' bits (its polynomial exp and torch's agree
+    where bf16 rounds), infinities and NaNs where torch has them; and for every bf16 gate value, up = 1."""
+    if kernels.silu_and_mul_cpu(torch.ones(1, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("no numba: the model uses the torch ops")
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(tokens, 2 * inter, generator=g) * scale).bfloat16()
+    if special:
+        gate_up.view(-1)[torch.randint(0, gate_up.numel(), (3,), generator=g)] = torch.tensor(
+            [float("inf"), -float("inf"), float("nan")]
+        ).bfloat16()
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[None]
+    for x in (gate_up, torch.cat([every, torch.ones_like(every)], dim=1)):
+        got, want = kernels.silu_and_mul_cpu(x), kernels.silu_and_mul_ref(x)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
 @pytest.mark.parametrize("family", ["llama-gqa-untied", "qwen2-bias"])
 def test_cpu_packed_linears_give_the_same_tokens_bit_for_bit(tiny_models, family, monkeypatch):
     """bf16 on a CPU packs every Linear's weight once into oneDNN's layout: each layer's output, and
@@ -4229,6 +4255,7 @@ def test_cpu_loops_give_the_same_results_on_the_calling_thread_and_on_all(monkey
                 kernels.rms_norm_cpu(x, w, 1e-6),
                 *kernels.rotary_cpu(heads, heads[:, :1], rope),
                 kernels.rms_norm_cpu(x, w, 1e-6, x.clone())[0],
+                kernels.silu_and_mul_cpu(x),
                 kernels.argmax_rows(x),
                 kernels.paged_attention_cpu(*args),
             )
