@@ -1876,7 +1876,7 @@ def _argmax_loops(x, out):
 def rms_norm_cpu(x, weight, eps, residual=None):
     """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16.
     With residual (x's shape, contiguous): x + residual first, written into residual -> (normed, residual)."""
-    if residual is not None and _c_rows(x, residual, weight) and x.numel() < LOOP_MIN_WORK:
+    if residual is not None and x.numel() < LOOP_MIN_WORK and _c_rows(x, residual, weight):
         one_thread = _rms_norm_c()  # a decode step's norms: one C call on the data pointers
         if one_thread is not None:
             out = torch.empty_like(x)
