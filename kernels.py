@@ -319,19 +319,21 @@ def _attend_sequence(q, k_cache, v_cache, block_table, seq_len, start, q_len, sc
     _attend(q[start : start + q_len], k, v, scale, out[start : start + q_len])
 
 
-def _attend(q, k, v, scale, out):
-    """q (Q, H, D): a sequence's last Q positions; k, v (L, Hkv, D): its keys and values at every position;
-    out (Q, H, D) is written. SDPA runs in the cache's dtype and accumulates in fp32 (no upcasting copies);
-    enable_gqa lets each kv head serve its group of query heads without a copy of K and V per query head."""
+def _attend(q, k, v, scale, out, first=None):
+    """q (Q, H, D): a sequence's Q positions from `first` on (default: the last Q of its keys); k, v (L, Hkv, D):
+    its keys and values from position 0 (rows past first + Q - 1 may follow: no query sees them); out (Q, H, D)
+    is written. SDPA runs in the cache's dtype and accumulates in fp32 (no upcasting copies); enable_gqa lets
+    each kv head serve its group of query heads without a copy of K and V per query head."""
     q_len, seq_len = q.shape[0], k.shape[0]
+    first = seq_len - q_len if first is None else first
     qs, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, Q, D), (1, Hkv, L, D)
-    if q_len == seq_len:  # a whole prompt: SDPA's own causal rule (no mask to build or read)
+    if first == 0:  # a whole prompt: SDPA's own causal rule, query t sees keys 0 .. t (no mask to build or read)
         o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        # after a cached prefix: query token t sits at position seq_len - q_len + t and sees keys at positions <= that
+        # after a cached prefix: query token t sits at position first + t and sees keys at positions <= that
         visible = (
             torch.arange(seq_len, device=q.device)[None, :]
-            <= torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            <= torch.arange(first, first + q_len, device=q.device)[:, None]
         )
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)  # (1, H, Q, D)
     out.copy_(o[0].transpose(0, 1))
@@ -1444,7 +1446,8 @@ def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
     """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
-    groups; the plan is made here if not given), prefill sequences as in the reference. Writes `out` if given."""
+    groups; the plan is made here if not given), prefill sequences as in the reference, a whole prompt's keys
+    padded (PROMPT_KEYS: the padding slots of its last block are zeroed). Writes `out` if given."""
     _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -1488,12 +1491,26 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     if plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
         k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # (slots, Hkv, D)
     for p in plan.prefill:
-        if p.first_slot is None:
-            _attend_sequence(q, k_cache, v_cache, block_tables[p.index], p.seq_len, p.start, p.q_len, scale, out)
-            continue
-        rows, keys = slice(p.start, p.start + p.q_len), slice(p.first_slot, p.first_slot + p.seq_len)
-        _attend(q[rows], k_slots[keys], v_slots[keys], scale, out[rows])
+        num_keys = p.seq_len
+        if p.q_len == p.seq_len:  # a whole prompt: its keys to a multiple of PROMPT_KEYS, zeros that no row sees
+            num_keys = min(-(-p.seq_len // PROMPT_KEYS) * PROMPT_KEYS, -(-p.seq_len // block_size) * block_size)
+        if p.first_slot is None:  # blocks out of order: a copy of the whole blocks
+            k, v = (
+                _sequence_kv(c, block_tables[p.index][: -(-num_keys // block_size)].tolist(), num_keys)
+                for c in (k_cache, v_cache)
+            )
+        else:  # the last block's own slots past the prompt (its next tokens' slots, written before they are read)
+            k, v = (slots[p.first_slot : p.first_slot + num_keys] for slots in (k_slots, v_slots))
+        if num_keys > p.seq_len:  # zeros: a freed block's old values may be inf or NaN, and 0 * NaN is NaN
+            k[p.seq_len :], v[p.seq_len :] = 0, 0
+        rows = slice(p.start, p.start + p.q_len)
+        _attend(q[rows], k, v, scale, out[rows], p.seq_len - p.q_len)
     return out
+
+
+# A whole prompt's keys are padded to a multiple of this for SDPA: torch's CPU flash attention runs 1.5-2.2x
+# faster at such key counts (kernels.md), and a causal row never sees the padding.
+PROMPT_KEYS = 16
 
 
 def _decode_loops(dtype):

@@ -4114,6 +4114,28 @@ def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group
             torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_cpu_prompt_keys_padded_with_zeros_of_its_own_last_block(contiguous):
+    """On a CPU a whole prompt's keys go to SDPA padded to a multiple of PROMPT_KEYS (its fast case) with its
+    last block's own slots past the prompt, zeroed first (NaN there would make 0 * v NaN; in a copy where its
+    blocks are not one run); no other slot is written, a prompt after a cached prefix is not padded, and the
+    output is naive attention's."""
+    case = Case([(0, 21), (0, 5), (3, 9), (0, 16)], 8, 2, 3, 32, torch.bfloat16, seed=7)
+    args, dense = build(case, "cpu")
+    if contiguous:
+        args = contiguous_blocks(args)
+    k_cache, v_cache, block_tables = args[1], args[2], args[3]
+    nan_before = k_cache.isnan(), v_cache.isnan()
+    out = kernels.paged_attention_cpu(*args)
+    torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=2e-2, atol=2e-2)
+    zeroed = torch.zeros_like(nan_before[0])  # in the cache where its blocks are a run (else in a copy of them)
+    for seq, (first, last) in enumerate([(21, 24), (5, 8)]):  # block size 8: 24 and 8 slots, not 32 and 16
+        if kernels._first_slot(block_tables[seq], first, 8) is not None:
+            zeroed[block_tables[seq, (first - 1) // 8], first % 8 : last - (last - 1) // 8 * 8] = True
+    for cache, nan in zip((k_cache, v_cache), nan_before):
+        assert torch.equal(nan & ~cache.isnan(), zeroed) and (cache[zeroed] == 0).all()
+
+
 def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
     """A plan sends the decode rows to the compiled loops (numba, bf16 or fp32 caches) or to torch
     groups (fp16, or the loops switched off); where Triton runs, or off the CPU, there is none."""
