@@ -1556,6 +1556,8 @@ def _numba():
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
+    global _bf16_dot_runs, _bf16_dot, _bf16_add_pair
+    _bf16_dot_runs, _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
     return numba
 
 
@@ -1664,6 +1666,116 @@ def _prefetch_intrinsic():
     return prefetch
 
 
+def _bf16_dot_on_this_cpu():
+    """Whether numba compiles for this machine's CPU (its default) and that CPU has AVX512-BF16."""
+    import numba
+    from llvmlite import binding
+
+    return not numba.config.CPU_NAME and bool(binding.get_host_cpu_features().get("avx512bf16"))
+
+
+@functools.cache
+def _bf16_dot_intrinsics():
+    """_bf16_dot_runs, _bf16_dot and _bf16_add_pair as numba compiles them: on bf16 bits (uint16 arrays), where
+    the CPU has AVX512-BF16, LLVM's intrinsic for its dot-product instruction (vdpbf16ps: 16 fp32 lanes, each
+    adding two bf16 products, exact in fp32), 32 elements at a time; elsewhere runs() is False."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    class BFloat(ir.Type):  # LLVM's bfloat, which llvmlite has no class for
+        def _to_string(self):
+            return "bfloat"
+
+        def __eq__(self, other):
+            return isinstance(other, BFloat)
+
+        def __hash__(self):
+            return hash("bfloat")
+
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    lanes, values = ir.VectorType(f32, 16), ir.VectorType(BFloat(), 32)  # 16 fp32 sums; 32 bf16 values
+    on_this_cpu = _bf16_dot_on_this_cpu()
+
+    def runs_on(array_type):
+        return on_this_cpu and array_type.dtype == types.uint16
+
+    def address(context, builder, sig, args, k, index, kind):
+        """A pointer to element `index` of 1-D array argument k, as a `kind` (a load or store through it says the
+        element's alignment: LLVM would assume a vector's own, 64 bytes)."""
+        data = context.make_array(sig.args[k])(context, builder, args[k]).data
+        return builder.bitcast(builder.gep(data, [index]), kind.as_pointer())
+
+    def dpbf16ps(builder, acc, x, y):  # acc[l] + x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for the 16 lanes l
+        kind = ir.FunctionType(lanes, [lanes, values, values])
+        return builder.call(
+            cgutils.get_or_insert_function(builder.module, kind, "llvm.x86.avx512bf16.dpbf16ps.512"), [acc, x, y]
+        )
+
+    @intrinsic
+    def runs(typingctx, a):
+        """Whether the two below run on a's dtype: a constant once compiled (LLVM drops the other branch)."""
+
+        def codegen(context, builder, sig, args):
+            return ir.IntType(1)(runs_on(sig.args[0]))
+
+        return types.boolean(a), codegen
+
+    @intrinsic
+    def dot(typingctx, a, i, b, j, n):
+        """sum over e < n (a multiple of 32) of a[i + e] * b[j + e] in fp32, over the arrays' memory."""
+
+        def codegen(context, builder, sig, args):
+            if not runs_on(sig.args[0]):  # (never called: runs() is False)
+                return f32(0.0)
+            sums = cgutils.alloca_once_value(builder, ir.Constant(lanes, None))
+            with cgutils.for_range_slice(builder, i64(0), args[4], i64(32)) as (e, _):
+                x, y = (
+                    builder.load(address(context, builder, sig, args, k, builder.add(args[k + 1], e), values), align=2)
+                    for k in (0, 2)
+                )
+                builder.store(dpbf16ps(builder, builder.load(sums), x, y), sums)
+            reduce = ir.FunctionType(f32, [f32, lanes])
+            reduce = cgutils.get_or_insert_function(builder.module, reduce, "llvm.vector.reduce.fadd.v16f32")
+            return builder.call(reduce, [f32(-0.0), builder.load(sums)], fastmath=("reassoc",))
+
+        return types.float32(a, types.intp, b, types.intp, types.intp), codegen  # (numba casts to these)
+
+    @intrinsic
+    def add_pair(typingctx, acc, at, p, r, v, i, j, n):
+        """acc[at + e] += p * v[i + e] + r * v[j + e] for e < n (a multiple of 32), over the arrays' memory, with
+        p and r rounded to bf16."""
+
+        def codegen(context, builder, sig, args):
+            if not runs_on(sig.args[4]):
+                return context.get_dummy_value()
+            acc, at, p, r, v, i, j, n = args
+            two = ir.Constant(ir.VectorType(f32, 2), None)
+            two = builder.insert_element(builder.insert_element(two, p, i32(0)), r, i32(1))
+            two = builder.bitcast(builder.fptrunc(two, ir.VectorType(BFloat(), 2)), i32)  # p and r rounded to bf16
+            weights = builder.insert_element(ir.Constant(ir.VectorType(i32, 16), None), two, i32(0))
+            weights = builder.shuffle_vector(weights, weights, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+            weights = builder.bitcast(weights, values)  # p, r, p, r, ...
+            halves = ir.VectorType(ir.IntType(16), 32)
+            with cgutils.for_range_slice(builder, i64(0), n, i64(32)) as (e, _):
+                rows = [
+                    builder.load(address(context, builder, sig, args, 4, builder.add(start, e), halves), align=2)
+                    for start in (i, j)
+                ]
+                for half in (0, 16):  # v[i + d], v[j + d] side by side for 16 d at a time: p * one + r * other
+                    side_by_side = [x for d in range(half, half + 16) for x in (d, 32 + d)]
+                    pair = builder.shuffle_vector(rows[0], rows[1], ir.Constant(ir.VectorType(i32, 32), side_by_side))
+                    out = address(context, builder, sig, args, 0, builder.add(at, builder.add(e, i64(half))), lanes)
+                    sums = dpbf16ps(builder, builder.load(out, align=4), weights, builder.bitcast(pair, values))
+                    builder.store(sums, out, align=4)
+            return context.get_dummy_value()
+
+        return types.void(acc, types.intp, types.float32, types.float32, v, *[types.intp] * 3), codegen
+
+    return runs, dot, add_pair
+
+
 @functools.cache
 def _bit_cast_intrinsics():
     """_as_f32 and _as_u32 as numba compiles them: LLVM's bitcast between a uint32 and an fp32 (no
@@ -1692,6 +1804,7 @@ _LOOP_HELPERS = (
     "_narrow",
     "_round",
     "_exp",
+    "_block_softmax",
     "_rotate_head",
     "_rms_norm_row",
     "_rotary_token",
@@ -1718,10 +1831,10 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
     against its keys and values, read in place from the paged cache, once, with an online
     softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
     the sums rescaled when a block raises it).
-    - q (T, H, D), k, v (num_blocks, block_size, Hkv, D): the tensors' bits as numpy arrays
-      (t.view(torch.uint16) for bf16, widened to fp32 by shift 16: bf16 is the top half of an fp32;
-      t.view(torch.uint32) for fp32, shift 0); the last dimension contiguous. Sequence i's one query
-      row is q[rows[i]]; query head j reads kv head j // (H // Hkv).
+    - q (T, H, D), k, v (num_blocks, block_size, Hkv, D): the tensors' bits as C-contiguous numpy
+      arrays (t.view(torch.uint16) for bf16, widened to fp32 by shift 16: bf16 is the top half of an
+      fp32; t.view(torch.uint32) for fp32, shift 0). Sequence i's one query row is q[rows[i]]; query
+      head j reads kv head j // (H // Hkv).
     - heads_per_job, a divisor of Hkv: Hkv (a job per sequence: each block of its cache is one
       contiguous read, which memory streams fastest) or 1 (a job per (sequence, kv head): jobs for
       every thread when there are fewer sequences than threads).
@@ -1730,13 +1843,17 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
     - scale multiplies q.k (head_dim ** -0.5); out (T, H, D), q's bits: row rows[i] is overwritten
       (rounded to bf16, to nearest even, for shift 16).
     Compiled by _compile (numba.njit(parallel=True, fastmath reassoc and contract)); it reads prange,
-    EXP2_POLY and LOG2_E from this module. Every inner loop runs over contiguous fp32 rows with no
-    call in it, so LLVM gives it SIMD lanes."""
+    EXP2_POLY and LOG2_E from this module. Two ways through a block: on a CPU with AVX512-BF16, bf16 bits
+    and head_dim a multiple of 32, its dot-product instruction takes q.k and p.v straight from the bits
+    (_bf16_dot_intrinsics; the weights p rounded to bf16, as torch's CPU flash attention and the Triton
+    kernel round them); else the block is widened to fp32 rows first, and every inner loop runs over them
+    with no call in it, so LLVM gives it SIMD lanes."""
     n, num_heads, head_dim = len(rows), q.shape[1], q.shape[2]
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     jobs_per_seq = num_kv_heads // heads_per_job
-    c0, c1, c2, c3, c4, c5 = [np.float32(c) for c in EXP2_POLY]
+    bf16_dot = _bf16_dot_runs(k) and head_dim % 32 == 0
+    key_stride = num_kv_heads * head_dim  # between one key's (or value's) row and the next, in the cache
     for job in prange(
         n * jobs_per_seq
     ):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
@@ -1755,8 +1872,7 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
             value_bits.view(np.float32),
         )  # one block of the job's kv heads, widened
         weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
-        pow2_bits = np.empty(block_size, np.uint32)
-        pow2 = pow2_bits.view(np.float32)  # 2**whole of each weight, made from its exponent bits
+        pow2 = np.empty(block_size, np.float32)  # (_block_softmax's scratch)
         best = np.full(heads_per_job * group, -np.inf, np.float32)  # the running max score of each query head
         total = np.zeros(heads_per_job * group, np.float32)  # sum of exp(score - best)
         acc = np.zeros((heads_per_job * group, head_dim), np.float32)  # sum of exp(score - best) * value
@@ -1766,58 +1882,55 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
             # for one key's lines at a time; asked for all at once here, the fetches crowd out this block's)
             ahead = (b + 1) * block_size < seq_lens[i]
             next_rows = block_tables[i, b + 1 if ahead else b] * block_size * num_kv_heads
-            for t in range(num):
-                for h in range(heads_per_job):
-                    if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
-                        for d in range(head_dim):
-                            key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d]) << 16
-                        for d in range(head_dim):
-                            value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d]) << 16
-                    else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
-                        for d in range(head_dim):
-                            key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d])
-                        for d in range(head_dim):
-                            value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d])
+            if not bf16_dot:
+                for t in range(num):
+                    for h in range(heads_per_job):
+                        if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
+                            for d in range(head_dim):
+                                key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d]) << 16
+                            for d in range(head_dim):
+                                value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d]) << 16
+                        else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
+                            for d in range(head_dim):
+                                key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d])
+                            for d in range(head_dim):
+                                value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d])
             for h in range(heads_per_job):
+                row = (block * block_size * num_kv_heads + h0 + h) * head_dim  # key t's: row + t * key_stride
                 for g in range(group):
                     qi = h * group + g  # the job's query head
-                    new_best = best[qi]
-                    for t in range(num):
-                        score = np.float32(0.0)
-                        for d in range(head_dim):
-                            score += qh[qi, d] * keys[t, h, d]
-                        weights[g, t] = score
-                        new_best = max(new_best, score)
-                    if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
-                        weights[g, :num] = 0.0
-                        continue
-                    rescale = np.float32(1.0)
-                    if new_best > best[qi]:  # what was summed so far, at the new max
-                        rescale = np.float32(math.exp(best[qi] - new_best))
-                        best[qi] = new_best
-                        for d in range(head_dim):
-                            acc[qi, d] *= rescale
-                    # exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126),
-                    # 2**frac from the polynomial
-                    for t in range(num):
-                        y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
-                        whole = np.floor(y)
-                        frac = y - whole
-                        weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
-                        pow2_bits[t] = np.uint32(np.int32(whole) + 127) << 23
-                    block_total = np.float32(0.0)
-                    for t in range(num):
-                        weights[g, t] *= pow2[t]
-                        block_total += weights[g, t]
-                    total[qi] = total[qi] * rescale + block_total
-                for t in range(num):  # keys outer: the group's accumulator rows are independent chains
+                    if bf16_dot:
+                        query = (rows[i] * num_heads + h0 * group + qi) * head_dim
+                        for t in range(num):
+                            weights[g, t] = _bf16_dot(q, query, k, row + t * key_stride, head_dim) * np.float32(scale)
+                    else:
+                        for t in range(num):
+                            score = np.float32(0.0)
+                            for d in range(head_dim):
+                                score += qh[qi, d] * keys[t, h, d]
+                            weights[g, t] = score
+                    _block_softmax(weights, g, num, best, total, acc, qi, pow2)
+                keys_per_pass = 2 if bf16_dot else 1  # (AVX512-BF16 adds two keys' products at once)
+                for t in range(
+                    0, num, keys_per_pass
+                ):  # keys outer: the group's accumulator rows are independent chains
                     if ahead:
-                        for line in range(0, head_dim, 64 // k.itemsize):  # a 64-byte cache line at a time
-                            prefetch(k, (next_rows + t * num_kv_heads + h0 + h) * head_dim + line)
-                            prefetch(v, (next_rows + t * num_kv_heads + h0 + h) * head_dim + line)
+                        for key in range(t, t + keys_per_pass):
+                            for line in range(0, head_dim, 64 // k.itemsize):  # a 64-byte cache line at a time
+                                prefetch(k, (next_rows + key * num_kv_heads + h0 + h) * head_dim + line)
+                                prefetch(v, (next_rows + key * num_kv_heads + h0 + h) * head_dim + line)
+                    if not bf16_dot:
+                        for g in range(group):
+                            for d in range(head_dim):
+                                acc[h * group + g, d] += weights[g, t] * values[t, h, d]
+                        continue
+                    u = min(t + 1, num - 1)  # an odd last key goes with itself, at weight 0
                     for g in range(group):
-                        for d in range(head_dim):
-                            acc[h * group + g, d] += weights[g, t] * values[t, h, d]
+                        other = weights[g, u] if u > t else np.float32(0.0)
+                        at = (h * group + g) * head_dim
+                        _bf16_add_pair(
+                            acc, at, weights[g, t], other, v, row + t * key_stride, row + u * key_stride, head_dim
+                        )
         for g in range(heads_per_job * group):  # q_bits (its query heads are read) holds the results
             for d in range(head_dim):
                 qh[g, d] = acc[g, d] / total[g]
@@ -1825,6 +1938,47 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
                 _round(q_bits[g])
             for d in range(head_dim):
                 out[rows[i], h0 * group + g, d] = q_bits[g, d] >> shift
+
+
+def _block_softmax(weights, g, num, best, total, acc, qi, pow2):
+    """One block's num scores of query head qi (weights[g]) -> exp(score - best), best the running max score:
+    the online softmax's step. What was summed so far (total[qi], acc[qi]) is rescaled where the block raises
+    it. exp(score - best) = 2**y with y <= 0: 2**whole from the exponent bits (0 below 2**-126, made in
+    pow2), 2**frac from EXP2_POLY (a libm call per score does not run in SIMD lanes). (Indices, not slices or
+    views: a new array costs a reference count, two atomic operations, each call.)"""
+    new_best = best[qi]
+    for t in range(num):
+        new_best = max(new_best, weights[g, t])
+    if new_best == -np.inf:  # every score so far is -inf: nothing to weigh (exp(-inf - -inf) is NaN)
+        for t in range(num):
+            weights[g, t] = 0.0
+        return
+    rescale = np.float32(1.0)
+    if new_best > best[qi]:  # what was summed so far, at the new max
+        rescale = np.float32(math.exp(best[qi] - new_best))
+        best[qi] = new_best
+        for d in range(acc.shape[1]):
+            acc[qi, d] *= rescale
+    c0, c1, c2, c3, c4, c5 = _EXP2_POLY32
+    for t in range(num):
+        y = max((weights[g, t] - new_best) * np.float32(LOG2_E), np.float32(-127.0))
+        whole = np.floor(y)
+        frac = y - whole
+        weights[g, t] = c0 + frac * (c1 + frac * (c2 + frac * (c3 + frac * (c4 + frac * c5))))
+        pow2[t] = _as_f32(np.uint32(np.int32(whole) + 127) << 23)  # 2**whole, from the exponent bits
+    block_total = np.float32(0.0)
+    for t in range(num):
+        weights[g, t] *= pow2[t]
+        block_total += weights[g, t]
+    total[qi] = total[qi] * rescale + block_total
+
+
+# Where the loops run as Python, no AVX512-BF16 instruction (_bf16_dot_intrinsics() once _compile has run)
+def _bf16_dot_runs(a):
+    return False
+
+
+_bf16_dot = _bf16_add_pair = None
 
 
 # ---- The CPU path: greedy argmax over bf16 logits ----

@@ -4198,6 +4198,31 @@ def test_paged_attention_cpu_minus_inf_score_gets_no_weight(loops, monkeypatch):
     torch.testing.assert_close(kernels.paged_attention_cpu(*args), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_avx512_bf16_dot_products_match_fp64(n):
+    """Where numba compiles for a CPU with AVX512-BF16, the decode loops' q.k and p.v on bf16 bits are its
+    dot-product instruction (the compiled code holds vdpbf16ps): q.k within fp32 rounding of the fp64 dot,
+    and p * v + r * w with p and r rounded to bf16, each product exact in fp32."""
+    if kernels._numba() is None or not kernels._bf16_dot_on_this_cpu():
+        pytest.skip("numba is not installed, or this CPU has no AVX512-BF16")
+    import numba
+
+    @numba.njit
+    def dot_and_add_pair(a, b, acc, p, r):
+        kernels._bf16_add_pair(acc, 0, p, r, b, 0, n, n)  # b: the two rows side by side
+        return kernels._bf16_dot(a, 0, b, 0, n)
+
+    g = torch.Generator().manual_seed(n)
+    a, b, acc = torch.randn(n, generator=g).bfloat16(), torch.randn(2 * n, generator=g).bfloat16(), torch.randn(n)
+    p, r, before = 0.3, -1.7, acc.double()
+    got = dot_and_add_pair(a.view(torch.uint16).numpy(), b.view(torch.uint16).numpy(), acc.numpy(), p, r)
+    want = (a.double() * b[:n].double()).sum().item()
+    assert abs(got - want) <= 1e-6 * (a.double() * b[:n].double()).abs().sum().item()
+    p, r = (torch.tensor(x).bfloat16().double() for x in (p, r))
+    torch.testing.assert_close(acc.double(), before + p * b[:n].double() + r * b[n:].double(), rtol=1e-6, atol=1e-6)
+    assert "vdpbf16ps" in "".join(dot_and_add_pair.inspect_asm().values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [(16, 3, 3, 64), (4, 4, 2, 24), (1, 2, 1, 8)])
 def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size, num_kv_heads, group, head_dim):
