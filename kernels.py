@@ -1556,8 +1556,9 @@ def _numba():
     for helper in _LOOP_HELPERS:  # the helpers the loops call become numba functions too (inlined into the loops)
         if not hasattr(globals()[helper], "py_func"):
             globals()[helper] = numba.njit(inline="always")(globals()[helper])
-    global _bf16_dot_runs, _bf16_dot, _bf16_add_pair
-    _bf16_dot_runs, _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
+    global BF16_DOT, _bf16_dot, _bf16_add_pair
+    BF16_DOT = _bf16_dot_on_this_cpu()
+    _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
     return numba
 
 
@@ -1676,9 +1677,9 @@ def _bf16_dot_on_this_cpu():
 
 @functools.cache
 def _bf16_dot_intrinsics():
-    """_bf16_dot_runs, _bf16_dot and _bf16_add_pair as numba compiles them: on bf16 bits (uint16 arrays), where
-    the CPU has AVX512-BF16, LLVM's intrinsic for its dot-product instruction (vdpbf16ps: 16 fp32 lanes, each
-    adding two bf16 products, exact in fp32), 32 elements at a time; elsewhere runs() is False."""
+    """_bf16_dot and _bf16_add_pair as numba compiles them: on bf16 bits (uint16 arrays), where the CPU has
+    AVX512-BF16 (BF16_DOT), LLVM's intrinsic for its dot-product instruction (vdpbf16ps: 16 fp32 lanes, each
+    adding two bf16 products, exact in fp32), 32 elements at a time."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -1714,20 +1715,11 @@ def _bf16_dot_intrinsics():
         )
 
     @intrinsic
-    def runs(typingctx, a):
-        """Whether the two below run on a's dtype: a constant once compiled (LLVM drops the other branch)."""
-
-        def codegen(context, builder, sig, args):
-            return ir.IntType(1)(runs_on(sig.args[0]))
-
-        return types.boolean(a), codegen
-
-    @intrinsic
     def dot(typingctx, a, i, b, j, n):
         """sum over e < n (a multiple of 32) of a[i + e] * b[j + e] in fp32, over the arrays' memory."""
 
         def codegen(context, builder, sig, args):
-            if not runs_on(sig.args[0]):  # (never called: runs() is False)
+            if not runs_on(sig.args[0]):  # fp32 bits, or no AVX512-BF16: never called (BF16_DOT, shift)
                 return f32(0.0)
             sums = cgutils.alloca_once_value(builder, ir.Constant(lanes, None))
             with cgutils.for_range_slice(builder, i64(0), args[4], i64(32)) as (e, _):
@@ -1773,7 +1765,7 @@ def _bf16_dot_intrinsics():
 
         return types.void(acc, types.intp, types.float32, types.float32, v, *[types.intp] * 3), codegen
 
-    return runs, dot, add_pair
+    return dot, add_pair
 
 
 @functools.cache
@@ -1852,7 +1844,7 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     jobs_per_seq = num_kv_heads // heads_per_job
-    bf16_dot = _bf16_dot_runs(k) and head_dim % 32 == 0
+    bf16_dot = BF16_DOT and shift == 16 and head_dim % 32 == 0
     key_stride = num_kv_heads * head_dim  # between one key's (or value's) row and the next, in the cache
     for job in prange(
         n * jobs_per_seq
@@ -1973,11 +1965,7 @@ def _block_softmax(weights, g, num, best, total, acc, qi, pow2):
     total[qi] = total[qi] * rescale + block_total
 
 
-# Where the loops run as Python, no AVX512-BF16 instruction (_bf16_dot_intrinsics() once _compile has run)
-def _bf16_dot_runs(a):
-    return False
-
-
+BF16_DOT = False  # whether the loops use AVX512-BF16's instruction (_bf16_dot_intrinsics): set by _numba()
 _bf16_dot = _bf16_add_pair = None
 
 
