@@ -1703,8 +1703,8 @@ def _bf16_dot_intrinsics():
         return on_this_cpu and array_type.dtype == types.uint16
 
     def address(context, builder, sig, args, k, index, kind):
-        """A pointer to element `index` of 1-D array argument k, as a `kind` (a load or store through it says the
-        element's alignment: LLVM would assume a vector's own, 64 bytes)."""
+        """A pointer to element `index` of C-contiguous array argument k (counted over its memory), as a `kind` (a
+        load or store through it says the element's alignment: LLVM would assume a vector's own, 64 bytes)."""
         data = context.make_array(sig.args[k])(context, builder, args[k]).data
         return builder.bitcast(builder.gep(data, [index]), kind.as_pointer())
 
