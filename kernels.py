@@ -1742,7 +1742,7 @@ def _bf16_dot_intrinsics():
         def codegen(context, builder, sig, args):
             if not runs_on(sig.args[4]):
                 return context.get_dummy_value()
-            acc, at, p, r, v, i, j, n = args
+            at, p, r, i, j, n = args[1], args[2], args[3], args[5], args[6], args[7]  # (acc and v: by address())
             two = ir.Constant(ir.VectorType(f32, 2), None)
             two = builder.insert_element(builder.insert_element(two, p, i32(0)), r, i32(1))
             two = builder.bitcast(builder.fptrunc(two, ir.VectorType(BFloat(), 2)), i32)  # p and r rounded to bf16
