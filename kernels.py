@@ -1446,8 +1446,8 @@ def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
     """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
-    groups; the plan is made here if not given), prefill sequences as in the reference, a whole prompt's keys
-    padded (PROMPT_KEYS: the padding slots of its last block are zeroed). Writes `out` if given."""
+    groups; the plan is made here if not given), prefill sequences as in the reference, their keys padded
+    (PREFILL_KEYS: the padding slots of a sequence's last block are zeroed). Writes `out` if given."""
     _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -1491,9 +1491,8 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     if plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
         k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # (slots, Hkv, D)
     for p in plan.prefill:
-        num_keys = p.seq_len
-        if p.q_len == p.seq_len:  # a whole prompt: its keys to a multiple of PROMPT_KEYS, zeros that no row sees
-            num_keys = min(-(-p.seq_len // PROMPT_KEYS) * PROMPT_KEYS, -(-p.seq_len // block_size) * block_size)
+        # its keys to a multiple of PREFILL_KEYS, within its own blocks: zeros that no query sees (causal)
+        num_keys = min(-(-p.seq_len // PREFILL_KEYS) * PREFILL_KEYS, -(-p.seq_len // block_size) * block_size)
         if p.first_slot is None:  # blocks out of order: a copy of the whole blocks
             k, v = (
                 _sequence_kv(c, block_tables[p.index][: -(-num_keys // block_size)].tolist(), num_keys)
@@ -1508,9 +1507,9 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-# A whole prompt's keys are padded to a multiple of this for SDPA: torch's CPU flash attention runs 1.5-2.2x
+# A prefill's keys are padded to a multiple of this for SDPA: torch's CPU flash attention runs up to 2.2x
 # faster at such key counts (kernels.md), and a causal row never sees the padding.
-PROMPT_KEYS = 16
+PREFILL_KEYS = 16
 
 
 def _decode_loops(dtype):

@@ -4115,11 +4115,11 @@ def test_paged_attention_cpu_loops_groups_views_and_plan_match_naive(case, group
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_cpu_prompt_keys_padded_with_zeros_of_its_own_last_block(contiguous):
-    """On a CPU a whole prompt's keys go to SDPA padded to a multiple of PROMPT_KEYS (its fast case) with its
-    last block's own slots past the prompt, zeroed first (NaN there would make 0 * v NaN; in a copy where its
-    blocks are not one run); no other slot is written, a prompt after a cached prefix is not padded, and the
-    output is naive attention's."""
+def test_cpu_prefill_keys_padded_with_zeros_of_its_own_last_block(contiguous):
+    """On a CPU a prefill's keys go to SDPA padded to a multiple of PREFILL_KEYS (its fast case) with its last
+    block's own slots past the sequence, zeroed first (NaN there would make 0 * v NaN; in a copy where its
+    blocks are not one run), a whole prompt's and one after a cached prefix alike; no other slot is written,
+    and the output is naive attention's."""
     case = Case([(0, 21), (0, 5), (3, 9), (0, 16)], 8, 2, 3, 32, torch.bfloat16, seed=7)
     args, dense = build(case, "cpu")
     if contiguous:
@@ -4129,7 +4129,7 @@ def test_cpu_prompt_keys_padded_with_zeros_of_its_own_last_block(contiguous):
     out = kernels.paged_attention_cpu(*args)
     torch.testing.assert_close(out.double(), naive_attention(case, dense), rtol=2e-2, atol=2e-2)
     zeroed = torch.zeros_like(nan_before[0])  # in the cache where its blocks are a run (else in a copy of them)
-    for seq, (first, last) in enumerate([(21, 24), (5, 8)]):  # block size 8: 24 and 8 slots, not 32 and 16
+    for seq, (first, last) in enumerate([(21, 24), (5, 8), (12, 16)]):  # block size 8: 24 and 8 slots, not 32, 16
         if kernels._first_slot(block_tables[seq], first, 8) is not None:
             zeroed[block_tables[seq, (first - 1) // 8], first % 8 : last - (last - 1) // 8 * 8] = True
     for cache, nan in zip((k_cache, v_cache), nan_before):
