@@ -1322,7 +1322,8 @@ def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, nu
 # ==== The CPU fast paths (a learner may skip from here) ====
 # Everything above runs the engine on any device: the references are the rule, the Triton kernels
 # the GPU path. What follows only makes the engine quicker on a CPU: paged_attention_cpu (attention
-# planned once per step, decode rows as compiled loops (numba) or batched torch ops), then the
+# planned once per step, decode rows as compiled loops (numba) or batched torch ops, prefill rows on AMX's
+# tiles where the CPU has them), then the
 # sampler's greedy argmax and the model's RMSNorm and rotary embedding over bf16 as compiled loops.
 # The tests hold each to the references (or to torch's ops); argmax_rows, rms_norm_cpu and
 # rotary_cpu return None where they do not run, and the caller uses torch ops.
@@ -1387,9 +1388,23 @@ class PrefillSeq:
 
 
 @dataclass
+class AmxPrefill:
+    """The AMX prefill loops' inputs (_prefill_attention_amx), made once per step: numpy arrays."""
+
+    seqs: object  # (n, 4) int64: each prefill sequence's first q row, q rows, keys, first key in the V^T scratch
+    block_tables: object  # (n, max_blocks) int32: their block tables
+    key_jobs: object  # (m, 3) int64: (sequence, kv head, block of 32 keys) whose V^T tile phase 1 writes
+    jobs: object  # (j, 3) int64: (sequence, kv head, 16-query tile), thread t's from job_ends[t] to job_ends[t + 1]
+    job_ends: object  # (threads + 1,) int64
+    num_keys: int  # the scratch's keys (each sequence's rounded up to 32)
+    query_keys: int  # the keys each query sees, summed over the queries
+
+
+@dataclass
 class CpuAttentionPlan:
     decode: list  # [DecodeGroup] for the torch ops, or [DecodeRows] for the compiled loops
     prefill: list  # [PrefillSeq]
+    amx: AmxPrefill | None = None  # the prefill sequences again, for the AMX loops where they run
 
 
 def _first_slot(block_table, seq_len, block_size):
@@ -1407,6 +1422,8 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
         if n > 1
     ]
     plan = CpuAttentionPlan(decode=[], prefill=prefill)
+    if prefill and dtype == torch.bfloat16 and block_size % AMX_ROWS == 0 and _amx_prefill_loops() is not None:
+        plan.amx = _amx_prefill_plan(prefill, block_tables, num_kv_heads)
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and _decode_loops(dtype) is not None:
         idx = torch.tensor(decode)
@@ -1446,8 +1463,9 @@ def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, plan=None):
     """paged_attention for CPU tensors: decode rows as the plan routes them (compiled loops or torch
-    groups; the plan is made here if not given), prefill sequences as in the reference, their keys padded
-    (PREFILL_KEYS: the padding slots of a sequence's last block are zeroed). Writes `out` if given."""
+    groups; the plan is made here if not given); prefill sequences all in one call of the AMX loops where
+    they run (_prefill_attention_cpu_amx), else as in the reference, their keys padded (PREFILL_KEYS: the
+    padding slots of a sequence's last block are zeroed). Writes `out` if given."""
     _check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -1488,6 +1506,8 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         probs = (scores * scale + g.bias).softmax(-1).to(q.dtype).view(num_kv_heads * n, group, L)
         o = torch.bmm(probs, v).view(num_kv_heads, n, group, head_dim)  # (Hkv, n, G, D)
         out[g.rows] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
+    if plan.prefill and _prefill_attention_cpu_amx(q, k_cache, v_cache, plan.amx, scale, out):
+        return out
     if plan.prefill:  # as in the reference, with each sequence's keys a slice of the cache where they can be
         k_slots, v_slots = (c.reshape(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))  # (slots, Hkv, D)
     for p in plan.prefill:
@@ -1505,6 +1525,35 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         rows = slice(p.start, p.start + p.q_len)
         _attend(q[rows], k, v, scale, out[rows], p.seq_len - p.q_len)
     return out
+
+
+def _prefill_attention_cpu_amx(q, k_cache, v_cache, amx, scale, out):
+    """Every prefill row of the plan in one call of the AMX loops (_prefill_attention_amx), written to out;
+    False (nothing written) where they do not run: no AMX plan, head_dim not a multiple of 32, strided caches."""
+    num_heads, head_dim = q.shape[1:]
+    if amx is None or head_dim % 32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    o = out if out.is_contiguous() else torch.empty_like(q)
+    vt = torch.empty(amx.num_keys * k_cache.shape[2] * head_dim, dtype=torch.uint16)  # the loops' V^T tiles
+    _amx_prefill_loops()(
+        amx.query_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
+        q.contiguous().view(torch.uint32).numpy(),  # bf16 pairs
+        *(c.view(torch.uint16).numpy() for c in (k_cache, v_cache)),
+        amx.block_tables,
+        amx.seqs,
+        amx.key_jobs,
+        amx.jobs,
+        amx.job_ends,
+        scale,
+        _amx_tiles(),
+        vt.numpy(),
+        o.view(torch.uint16).numpy(),
+        AMX_ROWS,
+    )
+    if o is not out:
+        for start, q_len in amx.seqs[:, :2].tolist():
+            out[start : start + q_len] = o[start : start + q_len]
+    return True
 
 
 # A prefill's keys are padded to a multiple of this for SDPA: torch's CPU flash attention runs up to 2.2x
@@ -1558,6 +1607,9 @@ def _numba():
     global BF16_DOT, _bf16_dot, _bf16_add_pair
     BF16_DOT = _bf16_dot_on_this_cpu()
     _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
+    global AMX_PREFILL, _tile_config, _tile_load, _tile_store, _tile_dot, _tile_zero, _tile_release
+    AMX_PREFILL = _amx_on_this_cpu()
+    _tile_config, _tile_load, _tile_store, _tile_dot, _tile_zero, _tile_release = _amx_intrinsics()
     return numba
 
 
@@ -1966,6 +2018,290 @@ def _block_softmax(weights, g, num, best, total, acc, qi, pow2):
 
 BF16_DOT = False  # whether the loops use AVX512-BF16's instruction (_bf16_dot_intrinsics): set by _numba()
 _bf16_dot = _bf16_add_pair = None
+
+
+# ---- The CPU path: prefill attention on AMX's tiles ----
+# Intel's AMX (Sapphire Rapids on) multiplies 16 x 32 bf16 tiles into 16 x 16 fp32 ones in one instruction
+# (tdpbf16ps), as oneDNN's matmuls here do. Where numba compiles for such a CPU, every prefill row of a step
+# goes through one call of these loops instead of a torch SDPA call per sequence: flash attention over 16 queries
+# and 32 keys at a time, the scores and the accumulator in fp32, the weights rounded to bf16 (as torch's CPU flash
+# attention rounds them). The tiles are transposed against the usual way round, S^T = K . Q^T and
+# O^T += V^T . P^T, so that K is read from the cache as it lies (16 keys of one block are a tile's 16 rows) and the
+# online softmax runs with the 16 queries as SIMD lanes, no horizontal sums.
+
+AMX_ROWS = 16  # queries a tile (a tile's rows); passed to the loops at run time: a constant trip count of 16 makes
+# LLVM unroll their lane loops into scalar code instead of vectorising them
+
+
+def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends, scale, tiles, vt, out, lanes):
+    """Causal attention of every prefill row of a step (AmxPrefill's sequences) on AMX tiles.
+    - q (T, H, D / 2) uint32: the queries' bf16 pairs; k, v (num_blocks, block_size, Hkv, D) uint16: the caches'
+      bits (block_size a multiple of 16; head_dim D a multiple of 32); out (T, H, D) uint16: the sequences' rows
+      written (rounded to bf16, to nearest even).
+    - seqs (n, 4): first q row, q rows, keys, first key in vt; block_tables (n, max_blocks) int32.
+    - Phase 1 (key_jobs): V^T tiles into vt, 32 keys x 16 dims each (zeros past a sequence's last key: a freed
+      slot's old values may be NaN, and 0 * NaN is NaN). Phase 2 (jobs, split per thread by job_ends): 16 queries
+      of one query head against their keys, 32 at a time: S^T = K . Q^T in two tiles, the online softmax per query
+      lane, O^T += V^T . P^T into the fp32 accumulator (read into a tile, added to, stored back).
+    tiles: the 64-byte tile configuration (_amx_tiles: every tile 16 rows of 64 bytes); lanes: AMX_ROWS."""
+    num_heads, head_dim = q.shape[1], q.shape[2] * 2
+    block_size, num_kv_heads = v.shape[1], v.shape[2]
+    group, chunks, dim_tiles = num_heads // num_kv_heads, head_dim // 32, head_dim // 16
+    scale = np.float32(scale)
+    key_stride = num_kv_heads * head_dim * 2  # bytes from one key's row to the next in the cache
+    for job in prange(key_jobs.shape[0]):
+        i, h, b = key_jobs[job, 0], key_jobs[job, 1], key_jobs[job, 2]
+        at = ((seqs[i, 3] // 32 + b) * num_kv_heads + h) * dim_tiles * 512  # tile (b, h, d // 16): 16 rows of 32 keys
+        for key in range(32):
+            pos = b * 32 + key
+            if pos < seqs[i, 2]:
+                block, row = block_tables[i, pos // block_size], pos % block_size
+                for d in range(head_dim):
+                    vt[at + d * 32 + key] = v[block, row, h, d]
+            else:
+                for d in range(head_dim):
+                    vt[at + d * 32 + key] = 0
+    for t in prange(len(job_ends) - 1):
+        _tile_config(tiles)
+        q_t = np.empty((chunks, 16, lanes), np.uint32)  # Q^T tiles: (dim pair, query), a bf16 pair each
+        s_t = np.empty((32, lanes), np.float32)  # S^T: 32 keys x 16 queries, from two tiles
+        p_t = np.empty((16, lanes), np.uint32)  # P^T: (key pair, query), the weights of two keys as bf16
+        acc = np.empty((head_dim, lanes), np.float32)  # O^T: sum of weight x value, per query
+        best, total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # running max score; sum of weights
+        top, ref = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # a block's max score; the new max
+        rescale, block_total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
+        for job in range(job_ends[t], job_ends[t + 1]):
+            i, h, tile = jobs[job, 0], jobs[job, 1], jobs[job, 2]
+            start, q_len, seq_len, vt_first = seqs[i, 0], seqs[i, 1], seqs[i, 2], seqs[i, 3]
+            first, rows = seq_len - q_len + tile * 16, min(16, q_len - tile * 16)  # query r sits at first + r
+            for g in range(group):
+                qh = h * group + g
+                for c in range(chunks):  # (a short tile repeats its last query: lanes never written out)
+                    for pair in range(16):
+                        for r in range(lanes):
+                            q_t[c, pair, r] = q[start + tile * 16 + min(r, rows - 1), qh, c * 16 + pair]
+                for r in range(lanes):
+                    best[r], total[r] = -np.inf, 0.0
+                for d in range(head_dim):
+                    for r in range(lanes):
+                        acc[d, r] = 0.0
+                for b in range((first + rows - 1) // 32 + 1):  # blocks of 32 keys up to the tile's last query
+                    second = b * 32 + 16 < seq_len  # the block's second 16 keys exist
+                    _tile_zero(0)
+                    _tile_zero(1)
+                    # where keys b * 32 and b * 32 + 16 start in the cache (16 keys lie in one block)
+                    at0 = (block_tables[i, b * 32 // block_size] * block_size + b * 32 % block_size) * num_kv_heads + h
+                    pos = min(b * 32 + 16, seq_len - 1)
+                    at1 = (block_tables[i, pos // block_size] * block_size + pos % block_size) * num_kv_heads + h
+                    for c in range(chunks):
+                        _tile_load(4, q_t, c * 16 * lanes, 64)
+                        _tile_load(2, k, at0 * head_dim + c * 32, key_stride)  # 16 keys' 32 dims
+                        _tile_dot(0, 2, 4)
+                        if second:
+                            _tile_load(3, k, at1 * head_dim + c * 32, key_stride)
+                            _tile_dot(1, 3, 4)
+                    _tile_store(0, s_t, 0, 64)
+                    _tile_store(1, s_t, 16 * lanes, 64)
+                    for r in range(lanes):
+                        top[r] = -np.inf
+                    if b * 32 + 31 > first:  # on the diagonal: key j is seen by the queries at or after it
+                        for j in range(32):
+                            for r in range(lanes):
+                                s_t[j, r] = s_t[j, r] if first + r >= b * 32 + j else -np.inf
+                                top[r] = max(top[r], s_t[j, r])
+                    else:
+                        for j in range(32):
+                            for r in range(lanes):
+                                top[r] = max(top[r], s_t[j, r])
+                    grew = False
+                    for r in range(lanes):
+                        new_best = max(best[r], top[r] * scale)
+                        ref[r] = new_best if new_best > -np.inf else np.float32(0.0)
+                        rescale[r] = _exp(best[r] - ref[r])  # what was summed so far, at the new max
+                        grew |= new_best > best[r]
+                        best[r], block_total[r] = new_best, 0.0
+                    for pair in range(16):
+                        for r in range(lanes):
+                            w0, w1 = (
+                                _exp(s_t[2 * pair, r] * scale - ref[r]),
+                                _exp(s_t[2 * pair + 1, r] * scale - ref[r]),
+                            )
+                            block_total[r] += w0 + w1
+                            p_t[pair, r] = (_as_u32(_bf16(w0)) >> 16) | (_as_u32(_bf16(w1)) & np.uint32(0xFFFF0000))
+                    for r in range(lanes):
+                        total[r] = total[r] * rescale[r] + block_total[r]
+                    if grew:
+                        for d in range(head_dim):
+                            for r in range(lanes):
+                                acc[d, r] *= rescale[r]
+                    _tile_load(4, p_t, 0, 64)
+                    at = ((vt_first // 32 + b) * num_kv_heads + h) * dim_tiles * 512
+                    for dt in range(dim_tiles):
+                        _tile_load(6, acc, dt * 16 * lanes, 64)
+                        _tile_load(7, vt, at + dt * 512, 64)
+                        _tile_dot(6, 7, 4)
+                        _tile_store(6, acc, dt * 16 * lanes, 64)
+                for r in range(rows):
+                    for d in range(head_dim):
+                        out[start + tile * 16 + r, qh, d] = _narrow(_bf16(acc[d, r] / total[r]))
+        _tile_release()
+
+
+def _amx_prefill_plan(prefill, block_tables, num_kv_heads):
+    """AmxPrefill for a step's prefill sequences: its 16-query jobs dealt to the loops' threads, longest first,
+    each to the thread with the least work so far (a job's work: the keys its queries read)."""
+    firsts, total = [], 0
+    for p in prefill:
+        firsts.append(total)
+        total += -(-p.seq_len // 32) * 32
+    seqs = np.array([[p.start, p.q_len, p.seq_len, f] for p, f in zip(prefill, firsts)], np.int64)
+    key_jobs = [
+        (i, h, b) for i, p in enumerate(prefill) for h in range(num_kv_heads) for b in range(-(-p.seq_len // 32))
+    ]
+    work = []
+    for i, p in enumerate(prefill):
+        for tile in range(-(-p.q_len // 16)):
+            keys = p.seq_len - p.q_len + min(p.q_len, tile * 16 + 16)
+            work += [(keys, i, h, tile) for h in range(num_kv_heads)]
+    threads = _loop_threads()
+    lists, loads = [[] for _ in range(threads)], [0] * threads
+    for keys, i, h, tile in sorted(work, reverse=True):
+        t = loads.index(min(loads))
+        lists[t].append((i, h, tile))
+        loads[t] += keys
+    return AmxPrefill(
+        seqs,
+        block_tables[[p.index for p in prefill]].numpy(),
+        np.array(key_jobs, np.int64).reshape(-1, 3),
+        np.array([job for jobs in lists for job in jobs], np.int64).reshape(-1, 3),
+        np.cumsum([0] + [len(jobs) for jobs in lists]).astype(np.int64),
+        total,
+        sum(p.q_len * (p.seq_len - (p.q_len - 1) / 2) for p in prefill),
+    )
+
+
+@functools.cache
+def _amx_tiles():
+    """AMX's tile configuration (ldtilecfg's 64 bytes): palette 1, each of the 8 tiles 16 rows of 64 bytes."""
+    tiles = np.zeros(64, np.uint8)
+    tiles[0] = 1
+    tiles[16:32].view(np.uint16)[:] = 64
+    tiles[48:56] = 16
+    return tiles
+
+
+@functools.cache
+def _amx_prefill_loops():
+    """The AMX prefill loops compiled and tried on a tiny prefill, or None: numba missing, a CPU without AMX
+    (AMX_PREFILL), or a failure (a warning says which)."""
+    numba = _numba() if USE_CPU_LOOPS else None
+    if numba is None or not AMX_PREFILL:
+        return None
+    q, cache = np.zeros((2, 1, 16), np.uint32), np.zeros((1, 16, 1, 32), np.uint16)
+    seqs, jobs = np.array([[0, 2, 2, 0]], np.int64), np.zeros((1, 3), np.int64)
+    probe = (q, cache, cache, np.zeros((1, 1), np.int32), seqs, jobs, jobs, np.array([0, 1], np.int64), 1.0)
+    probe += (_amx_tiles(), np.zeros(32 * 32, np.uint16), np.zeros((2, 1, 32), np.uint16), AMX_ROWS)
+    return _compile(_prefill_attention_amx, probe, "the AMX prefill loops are off", "prefill attention uses SDPA")
+
+
+AMX_PREFILL = False  # whether numba compiles for this CPU and it has AMX with bf16 (and Linux lets us use it)
+_tile_config = _tile_load = _tile_store = _tile_dot = _tile_zero = _tile_release = None
+
+
+def _amx_on_this_cpu():
+    """Whether numba compiles for this machine's CPU, that CPU has AMX's tiles and bf16 products, and Linux
+    grants this process the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM; oneDNN asks the same)."""
+    import numba
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    if numba.config.CPU_NAME or not (features.get("amx-tile") and features.get("amx-bf16")):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def _amx_intrinsics():
+    """AMX's instructions as numba compiles them (LLVM's intrinsics; a tile is named by its number, 0-7, a
+    constant): config(tiles), load(tile, array, index, stride) and store(tile, array, index, stride) (16 rows
+    of 64 bytes from element `index` of the array's memory, rows `stride` bytes apart), dot(c, a, b) (tile c +=
+    a . b: a's rows of 32 bf16 by b's rows of 16 bf16 pairs, tdpbf16ps), zero(tile) and release()."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    i8, i64 = ir.IntType(8), ir.IntType(64)
+
+    def call(builder, name, arg_types, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), arg_types), name)
+        builder.call(fn, args)
+
+    def pointer(context, builder, array_type, array, index):
+        data = context.make_array(array_type)(context, builder, array).data
+        return builder.bitcast(builder.gep(data, [index]), i8.as_pointer())
+
+    def tile(t):
+        return i8(t.literal_value)
+
+    @intrinsic
+    def config(typingctx, tiles):
+        def codegen(context, builder, sig, args):
+            address = pointer(context, builder, sig.args[0], args[0], i64(0))
+            call(builder, "llvm.x86.ldtilecfg", [i8.as_pointer()], [address])
+            return context.get_dummy_value()
+
+        return types.void(tiles), codegen
+
+    def load_or_store(name):
+        @intrinsic
+        def move(typingctx, t, array, index, stride):
+            if not isinstance(t, types.IntegerLiteral):
+                return None
+
+            def codegen(context, builder, sig, args):
+                address = pointer(context, builder, sig.args[1], args[1], args[2])
+                call(builder, name, [i8, i8.as_pointer(), i64], [tile(sig.args[0]), address, args[3]])
+                return context.get_dummy_value()
+
+            return types.void(t, array, types.int64, types.int64), codegen
+
+        return move
+
+    @intrinsic
+    def dot(typingctx, c, a, b):
+        if not all(isinstance(t, types.IntegerLiteral) for t in (c, a, b)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            call(builder, "llvm.x86.tdpbf16ps", [i8] * 3, [tile(t) for t in sig.args])
+            return context.get_dummy_value()
+
+        return types.void(c, a, b), codegen
+
+    @intrinsic
+    def zero(typingctx, t):
+        if not isinstance(t, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, sig, args):
+            call(builder, "llvm.x86.tilezero", [i8], [tile(sig.args[0])])
+            return context.get_dummy_value()
+
+        return types.void(t), codegen
+
+    @intrinsic
+    def release(typingctx):
+        def codegen(context, builder, sig, args):
+            call(builder, "llvm.x86.tilerelease", [], [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return config, load_or_store("llvm.x86.tileloadd64"), load_or_store("llvm.x86.tilestored64"), dot, zero, release
 
 
 # ---- The CPU path: greedy argmax over bf16 logits ----

@@ -4136,6 +4136,32 @@ def test_cpu_prefill_keys_padded_with_zeros_of_its_own_last_block(contiguous):
         assert torch.equal(nan & ~cache.isnan(), zeroed) and (cache[zeroed] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_dim,temperature",
+    [(16, 3, 3, 64, 1.0), (32, 2, 1, 128, 4.0), (16, 1, 4, 32, 1.0)],
+)
+def test_amx_prefill_matches_naive_attention(block_size, num_kv_heads, group, head_dim, temperature):
+    """Where numba compiles for a CPU with AMX, a step's prefill rows go through one call of the AMX loops (the
+    plan says so): whole prompts short and long, chunks after a cached prefix, blocks in shuffled order, NaN in
+    every slot the batch does not own, a decode row beside them. The output is naive attention's, as close to it
+    as the SDPA route's, and no NaN."""
+    if kernels._amx_prefill_loops() is None:
+        pytest.skip("numba is not installed, or this CPU has no AMX")
+    seqs = [(0, 37), (0, 5), (150, 50), (0, 16), (63, 1), (3, 17), (0, 33)]
+    case = Case(seqs, block_size, num_kv_heads, group, head_dim, torch.bfloat16, seed=5, temperature=temperature)
+    args, dense = build(case, "cpu")
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
+    plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, q.dtype)
+    assert plan.amx is not None and len(plan.amx.seqs) == 6
+    out = kernels.paged_attention_cpu(*args, plan=plan)
+    plan.amx = None  # the SDPA route, for comparison
+    sdpa = kernels.paged_attention_cpu(*args, plan=plan)
+    want = naive_attention(case, dense)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    assert (out.double() - want).abs().mean() <= 1.25 * (sdpa.double() - want).abs().mean()
+
+
 def test_attention_plan_routes_decode_rows_and_is_none_for_triton(monkeypatch):
     """A plan sends the decode rows to the compiled loops (numba, bf16 or fp32 caches) or to torch
     groups (fp16, or the loops switched off); where Triton runs, or off the CPU, there is none."""
