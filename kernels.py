@@ -1394,7 +1394,7 @@ class AmxPrefill:
     seqs: object  # (n, 4) int64: each prefill sequence's first q row, q rows, keys, first key in the V^T scratch
     block_tables: object  # (n, max_blocks) int32: their block tables
     key_jobs: object  # (m, 3) int64: (sequence, kv head, block of 32 keys) whose V^T tile phase 1 writes
-    jobs: object  # (j, 3) int64: (sequence, kv head, 16-query tile), thread t's from job_ends[t] to job_ends[t + 1]
+    jobs: object  # (j, 3) int64: (sequence, kv head, AMX_QUERIES queries), thread t's: job_ends[t] to job_ends[t + 1]
     job_ends: object  # (threads + 1,) int64
     num_keys: int  # the scratch's keys (each sequence's rounded up to 32)
     query_keys: int  # the keys each query sees, summed over the queries
@@ -1548,7 +1548,7 @@ def _prefill_attention_cpu_amx(q, k_cache, v_cache, amx, scale, out):
         _amx_tiles(),
         vt.numpy(),
         o.view(torch.uint16).numpy(),
-        AMX_ROWS,
+        AMX_QUERIES,
     )
     if o is not out:
         for start, q_len in amx.seqs[:, :2].tolist():
@@ -2023,14 +2023,15 @@ _bf16_dot = _bf16_add_pair = None
 # ---- The CPU path: prefill attention on AMX's tiles ----
 # Intel's AMX (Sapphire Rapids on) multiplies 16 x 32 bf16 tiles into 16 x 16 fp32 ones in one instruction
 # (tdpbf16ps), as oneDNN's matmuls here do. Where numba compiles for such a CPU, every prefill row of a step
-# goes through one call of these loops instead of a torch SDPA call per sequence: flash attention over 16 queries
+# goes through one call of these loops instead of a torch SDPA call per sequence: flash attention over 32 queries
 # and 32 keys at a time, the scores and the accumulator in fp32, the weights rounded to bf16 (as torch's CPU flash
 # attention rounds them). The tiles are transposed against the usual way round, S^T = K . Q^T and
 # O^T += V^T . P^T, so that K is read from the cache as it lies (16 keys of one block are a tile's 16 rows) and the
-# online softmax runs with the 16 queries as SIMD lanes, no horizontal sums.
+# online softmax runs with the 32 queries as SIMD lanes, no horizontal sums.
 
-AMX_ROWS = 16  # queries a tile (a tile's rows); passed to the loops at run time: a constant trip count of 16 makes
-# LLVM unroll their lane loops into scalar code instead of vectorising them
+AMX_ROWS = 16  # a tile's rows: 16 keys of one cache block (block sizes a multiple of it), or 16 queries' columns
+AMX_QUERIES = 32  # queries a job: two tiles' columns, the softmax's SIMD lanes. Passed to the loops at run time:
+# with a constant trip count LLVM unrolls their lane loops into scalar code instead of vectorising them
 
 
 def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends, scale, tiles, vt, out, lanes):
@@ -2040,10 +2041,11 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
       written (rounded to bf16, to nearest even).
     - seqs (n, 4): first q row, q rows, keys, first key in vt; block_tables (n, max_blocks) int32.
     - Phase 1 (key_jobs): V^T tiles into vt, 32 keys x 16 dims each (zeros past a sequence's last key: a freed
-      slot's old values may be NaN, and 0 * NaN is NaN). Phase 2 (jobs, split per thread by job_ends): 16 queries
-      of one query head against their keys, 32 at a time: S^T = K . Q^T in two tiles, the online softmax per query
+      slot's old values may be NaN, and 0 * NaN is NaN). Phase 2 (jobs, split per thread by job_ends): 32 queries
+      of one query head against their keys, 32 at a time: S^T = K . Q^T in four tiles, the online softmax per query
       lane, O^T += V^T . P^T into the fp32 accumulator (read into a tile, added to, stored back).
-    tiles: the 64-byte tile configuration (_amx_tiles: every tile 16 rows of 64 bytes); lanes: AMX_ROWS."""
+    tiles: the 64-byte tile configuration (_amx_tiles: every tile 16 rows of 64 bytes); lanes: AMX_QUERIES (32:
+    the tiles hold two 16-query halves)."""
     num_heads, head_dim = q.shape[1], q.shape[2] * 2
     block_size, num_kv_heads = v.shape[1], v.shape[2]
     group, chunks, dim_tiles = num_heads // num_kv_heads, head_dim // 32, head_dim // 16
@@ -2061,10 +2063,11 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
             else:
                 for d in range(head_dim):
                     vt[at + d * 32 + key] = 0
+    row = lanes * 4  # bytes from one row of the lane arrays to the next: a tile's row stride in them
     for t in prange(len(job_ends) - 1):
         _tile_config(tiles)
-        q_t = np.empty((chunks, 16, lanes), np.uint32)  # Q^T tiles: (dim pair, query), a bf16 pair each
-        s_t = np.empty((32, lanes), np.float32)  # S^T: 32 keys x 16 queries, from two tiles
+        q_t = np.empty((chunks, 16, lanes), np.uint32)  # Q^T: (dim pair, query), a bf16 pair each
+        s_t = np.empty((32, lanes), np.float32)  # S^T: 32 keys x the queries, from four tiles
         p_t = np.empty((16, lanes), np.uint32)  # P^T: (key pair, query), the weights of two keys as bf16
         acc = np.empty((head_dim, lanes), np.float32)  # O^T: sum of weight x value, per query
         best, total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # running max score; sum of weights
@@ -2073,35 +2076,42 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
         for job in range(job_ends[t], job_ends[t + 1]):
             i, h, tile = jobs[job, 0], jobs[job, 1], jobs[job, 2]
             start, q_len, seq_len, vt_first = seqs[i, 0], seqs[i, 1], seqs[i, 2], seqs[i, 3]
-            first, rows = seq_len - q_len + tile * 16, min(16, q_len - tile * 16)  # query r sits at first + r
+            first, rows = seq_len - q_len + tile * lanes, min(lanes, q_len - tile * lanes)  # query r at first + r
             for g in range(group):
                 qh = h * group + g
-                for c in range(chunks):  # (a short tile repeats its last query: lanes never written out)
+                for c in range(chunks):  # (a short job repeats its last query: lanes never written out)
                     for pair in range(16):
                         for r in range(lanes):
-                            q_t[c, pair, r] = q[start + tile * 16 + min(r, rows - 1), qh, c * 16 + pair]
+                            q_t[c, pair, r] = q[start + tile * lanes + min(r, rows - 1), qh, c * 16 + pair]
                 for r in range(lanes):
                     best[r], total[r] = -np.inf, 0.0
                 for d in range(head_dim):
                     for r in range(lanes):
                         acc[d, r] = 0.0
-                for b in range((first + rows - 1) // 32 + 1):  # blocks of 32 keys up to the tile's last query
+                for b in range((first + rows - 1) // 32 + 1):  # blocks of 32 keys up to the job's last query
                     second = b * 32 + 16 < seq_len  # the block's second 16 keys exist
                     _tile_zero(0)
                     _tile_zero(1)
+                    _tile_zero(2)
+                    _tile_zero(3)
                     # where keys b * 32 and b * 32 + 16 start in the cache (16 keys lie in one block)
                     at0 = (block_tables[i, b * 32 // block_size] * block_size + b * 32 % block_size) * num_kv_heads + h
                     pos = min(b * 32 + 16, seq_len - 1)
                     at1 = (block_tables[i, pos // block_size] * block_size + pos % block_size) * num_kv_heads + h
-                    for c in range(chunks):
-                        _tile_load(4, q_t, c * 16 * lanes, 64)
-                        _tile_load(2, k, at0 * head_dim + c * 32, key_stride)  # 16 keys' 32 dims
-                        _tile_dot(0, 2, 4)
+                    for c in range(chunks):  # tiles: 0-3 S^T (keys 0-15 / 16-31 x queries 0-15 / 16-31), 4-5 K, 6-7 Q^T
+                        _tile_load(6, q_t, c * 16 * lanes, row)
+                        _tile_load(7, q_t, c * 16 * lanes + 16, row)
+                        _tile_load(4, k, at0 * head_dim + c * 32, key_stride)  # 16 keys' 32 dims
+                        _tile_dot(0, 4, 6)
+                        _tile_dot(2, 4, 7)
                         if second:
-                            _tile_load(3, k, at1 * head_dim + c * 32, key_stride)
-                            _tile_dot(1, 3, 4)
-                    _tile_store(0, s_t, 0, 64)
-                    _tile_store(1, s_t, 16 * lanes, 64)
+                            _tile_load(5, k, at1 * head_dim + c * 32, key_stride)
+                            _tile_dot(1, 5, 6)
+                            _tile_dot(3, 5, 7)
+                    _tile_store(0, s_t, 0, row)
+                    _tile_store(2, s_t, 16, row)
+                    _tile_store(1, s_t, 16 * lanes, row)
+                    _tile_store(3, s_t, 16 * lanes + 16, row)
                     for r in range(lanes):
                         top[r] = -np.inf
                     if b * 32 + 31 > first:  # on the diagonal: key j is seen by the queries at or after it
@@ -2127,29 +2137,35 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                                 _exp(s_t[2 * pair + 1, r] * scale - ref[r]),
                             )
                             block_total[r] += w0 + w1
-                            p_t[pair, r] = (_as_u32(_bf16(w0)) >> 16) | (_as_u32(_bf16(w1)) & np.uint32(0xFFFF0000))
+                            p_t[pair, r] = np.uint32(np.uint16(_narrow(_bf16(w0)))) | (
+                                np.uint32(np.uint16(_narrow(_bf16(w1)))) << 16
+                            )
                     for r in range(lanes):
                         total[r] = total[r] * rescale[r] + block_total[r]
                     if grew:
                         for d in range(head_dim):
                             for r in range(lanes):
                                 acc[d, r] *= rescale[r]
-                    _tile_load(4, p_t, 0, 64)
+                    _tile_load(6, p_t, 0, row)  # tiles: 0-1 O^T (queries 0-15 / 16-31), 5 V^T, 6-7 P^T
+                    _tile_load(7, p_t, 16, row)
                     at = ((vt_first // 32 + b) * num_kv_heads + h) * dim_tiles * 512
                     for dt in range(dim_tiles):
-                        _tile_load(6, acc, dt * 16 * lanes, 64)
-                        _tile_load(7, vt, at + dt * 512, 64)
-                        _tile_dot(6, 7, 4)
-                        _tile_store(6, acc, dt * 16 * lanes, 64)
+                        _tile_load(5, vt, at + dt * 512, 64)
+                        _tile_load(0, acc, dt * 16 * lanes, row)
+                        _tile_dot(0, 5, 6)
+                        _tile_store(0, acc, dt * 16 * lanes, row)
+                        _tile_load(1, acc, dt * 16 * lanes + 16, row)
+                        _tile_dot(1, 5, 7)
+                        _tile_store(1, acc, dt * 16 * lanes + 16, row)
                 for r in range(rows):
                     for d in range(head_dim):
-                        out[start + tile * 16 + r, qh, d] = _narrow(_bf16(acc[d, r] / total[r]))
+                        out[start + tile * lanes + r, qh, d] = _narrow(_bf16(acc[d, r] / total[r]))
         _tile_release()
 
 
 def _amx_prefill_plan(prefill, block_tables, num_kv_heads):
-    """AmxPrefill for a step's prefill sequences: its 16-query jobs dealt to the loops' threads, longest first,
-    each to the thread with the least work so far (a job's work: the keys its queries read)."""
+    """AmxPrefill for a step's prefill sequences: its jobs (AMX_QUERIES queries each) dealt to the loops' threads,
+    longest first, each to the thread with the least work so far (a job's work: the keys its queries read)."""
     firsts, total = [], 0
     for p in prefill:
         firsts.append(total)
@@ -2160,8 +2176,8 @@ def _amx_prefill_plan(prefill, block_tables, num_kv_heads):
     ]
     work = []
     for i, p in enumerate(prefill):
-        for tile in range(-(-p.q_len // 16)):
-            keys = p.seq_len - p.q_len + min(p.q_len, tile * 16 + 16)
+        for tile in range(-(-p.q_len // AMX_QUERIES)):
+            keys = p.seq_len - p.q_len + min(p.q_len, (tile + 1) * AMX_QUERIES)
             work += [(keys, i, h, tile) for h in range(num_kv_heads)]
     threads = _loop_threads()
     lists, loads = [[] for _ in range(threads)], [0] * threads
@@ -2200,7 +2216,7 @@ def _amx_prefill_loops():
     q, cache = np.zeros((2, 1, 16), np.uint32), np.zeros((1, 16, 1, 32), np.uint16)
     seqs, jobs = np.array([[0, 2, 2, 0]], np.int64), np.zeros((1, 3), np.int64)
     probe = (q, cache, cache, np.zeros((1, 1), np.int32), seqs, jobs, jobs, np.array([0, 1], np.int64), 1.0)
-    probe += (_amx_tiles(), np.zeros(32 * 32, np.uint16), np.zeros((2, 1, 32), np.uint16), AMX_ROWS)
+    probe += (_amx_tiles(), np.zeros(32 * 32, np.uint16), np.zeros((2, 1, 32), np.uint16), AMX_QUERIES)
     return _compile(_prefill_attention_amx, probe, "the AMX prefill loops are off", "prefill attention uses SDPA")
 
 
