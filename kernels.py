@@ -2085,9 +2085,6 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                             q_t[c, pair, r] = q[start + tile * lanes + min(r, rows - 1), qh, c * 16 + pair]
                 for r in range(lanes):
                     best[r], total[r] = -np.inf, 0.0
-                for d in range(head_dim):
-                    for r in range(lanes):
-                        acc[d, r] = 0.0
                 for b in range((first + rows - 1) // 32 + 1):  # blocks of 32 keys up to the job's last query
                     second = b * 32 + 16 < seq_len  # the block's second 16 keys exist
                     _tile_zero(0)
@@ -2142,7 +2139,7 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                             )
                     for r in range(lanes):
                         total[r] = total[r] * rescale[r] + block_total[r]
-                    if grew:
+                    if grew and b > 0:  # (the first block's products start the accumulator afresh)
                         for d in range(head_dim):
                             for r in range(lanes):
                                 acc[d, r] *= rescale[r]
@@ -2151,15 +2148,21 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                     at = ((vt_first // 32 + b) * num_kv_heads + h) * dim_tiles * 512
                     for dt in range(dim_tiles):
                         _tile_load(5, vt, at + dt * 512, 64)
-                        _tile_load(0, acc, dt * 16 * lanes, row)
+                        if b == 0:
+                            _tile_zero(0)
+                            _tile_zero(1)
+                        else:
+                            _tile_load(0, acc, dt * 16 * lanes, row)
+                            _tile_load(1, acc, dt * 16 * lanes + 16, row)
                         _tile_dot(0, 5, 6)
-                        _tile_store(0, acc, dt * 16 * lanes, row)
-                        _tile_load(1, acc, dt * 16 * lanes + 16, row)
                         _tile_dot(1, 5, 7)
+                        _tile_store(0, acc, dt * 16 * lanes, row)
                         _tile_store(1, acc, dt * 16 * lanes + 16, row)
+                for r in range(lanes):
+                    rescale[r] = np.float32(1.0) / total[r]
                 for r in range(rows):
                     for d in range(head_dim):
-                        out[start + tile * lanes + r, qh, d] = _narrow(_bf16(acc[d, r] / total[r]))
+                        out[start + tile * lanes + r, qh, d] = _narrow(_bf16(acc[d, r] * rescale[r]))
         _tile_release()
 
 
