@@ -2030,6 +2030,9 @@ _bf16_dot = _bf16_add_pair = None
 # online softmax runs with the 32 queries as SIMD lanes, no horizontal sums.
 
 AMX_ROWS = 16  # a tile's rows: 16 keys of one cache block (block sizes a multiple of it), or 16 queries' columns
+AMX_LAZY_RESCALE = 8.0  # a score may pass the reference its weight is taken against (the max of the blocks
+# before) by this much before the reference moves up to it: weights up to e**8 (bf16 keeps its relative precision
+# at any size), and the rescale of everything summed so far is rare after the first blocks
 AMX_QUERIES = 32  # queries a job: two tiles' columns, the softmax's SIMD lanes. Passed to the loops at run time:
 # with a constant trip count LLVM unrolls their lane loops into scalar code instead of vectorising them
 
@@ -2070,9 +2073,9 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
         s_t = np.empty((32, lanes), np.float32)  # S^T: 32 keys x the queries, from four tiles
         p_t = np.empty((16, lanes), np.uint32)  # P^T: (key pair, query), the weights of two keys as bf16
         acc = np.empty((head_dim, lanes), np.float32)  # O^T: sum of weight x value, per query
-        best, total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # running max score; sum of weights
-        top, ref = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # a block's max score; the new max
-        rescale, block_total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
+        ref, total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # weights are exp(score - ref); their sum
+        top, block_total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # a block's max score; its weights'
+        rescale = np.empty(lanes, np.float32)
         for job in range(job_ends[t], job_ends[t + 1]):
             i, h, tile = jobs[job, 0], jobs[job, 1], jobs[job, 2]
             start, q_len, seq_len, vt_first = seqs[i, 0], seqs[i, 1], seqs[i, 2], seqs[i, 3]
@@ -2084,7 +2087,7 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                         for r in range(lanes):
                             q_t[c, pair, r] = q[start + tile * lanes + min(r, rows - 1), qh, c * 16 + pair]
                 for r in range(lanes):
-                    best[r], total[r] = -np.inf, 0.0
+                    total[r] = 0.0
                 for b in range((first + rows - 1) // 32 + 1):  # blocks of 32 keys up to the job's last query
                     second = b * 32 + 16 < seq_len  # the block's second 16 keys exist
                     _tile_zero(0)
@@ -2109,40 +2112,44 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                     _tile_store(2, s_t, 16, row)
                     _tile_store(1, s_t, 16 * lanes, row)
                     _tile_store(3, s_t, 16 * lanes + 16, row)
-                    for r in range(lanes):
-                        top[r] = -np.inf
                     if b * 32 + 31 > first:  # on the diagonal: key j is seen by the queries at or after it
                         for j in range(32):
                             for r in range(lanes):
                                 s_t[j, r] = s_t[j, r] if first + r >= b * 32 + j else -np.inf
-                                top[r] = max(top[r], s_t[j, r])
-                    else:
+                    if b == 0:  # the first block's max: the reference the weights are taken against
+                        for r in range(lanes):
+                            top[r] = -np.inf
                         for j in range(32):
                             for r in range(lanes):
                                 top[r] = max(top[r], s_t[j, r])
-                    grew = False
-                    for r in range(lanes):
-                        new_best = max(best[r], top[r] * scale)
-                        ref[r] = new_best if new_best > -np.inf else np.float32(0.0)
-                        rescale[r] = _exp(best[r] - ref[r])  # what was summed so far, at the new max
-                        grew |= new_best > best[r]
-                        best[r], block_total[r] = new_best, 0.0
-                    for pair in range(16):
                         for r in range(lanes):
-                            w0, w1 = (
-                                _exp(s_t[2 * pair, r] * scale - ref[r]),
-                                _exp(s_t[2 * pair + 1, r] * scale - ref[r]),
-                            )
-                            block_total[r] += w0 + w1
-                            p_t[pair, r] = np.uint32(np.uint16(_narrow(_bf16(w0)))) | (
-                                np.uint32(np.uint16(_narrow(_bf16(w1)))) << 16
-                            )
-                    for r in range(lanes):
-                        total[r] = total[r] * rescale[r] + block_total[r]
-                    if grew and b > 0:  # (the first block's products start the accumulator afresh)
+                            ref[r] = top[r] * scale  # (finite: every query sees key 0)
+                    for attempt in range(2):  # weights exp(score - ref); again if a score passed ref by too much
+                        for r in range(lanes):
+                            top[r], block_total[r] = -np.inf, 0.0
+                        for pair in range(16):
+                            for r in range(lanes):
+                                s0, s1 = s_t[2 * pair, r], s_t[2 * pair + 1, r]
+                                w0, w1 = _exp(s0 * scale - ref[r]), _exp(s1 * scale - ref[r])
+                                top[r] = max(top[r], max(s0, s1))
+                                block_total[r] += w0 + w1
+                                p_t[pair, r] = np.uint32(np.uint16(_narrow(_bf16(w0)))) | (
+                                    np.uint32(np.uint16(_narrow(_bf16(w1)))) << 16
+                                )
+                        moved = False
+                        for r in range(lanes):
+                            moved |= top[r] * scale > ref[r] + np.float32(AMX_LAZY_RESCALE)
+                        if not moved:
+                            break
+                        for r in range(lanes):  # ref up to the block's max, and what was summed so far rescaled
+                            new_ref = max(ref[r], top[r] * scale)
+                            rescale[r] = _exp(ref[r] - new_ref)
+                            ref[r], total[r] = new_ref, total[r] * rescale[r]
                         for d in range(head_dim):
                             for r in range(lanes):
                                 acc[d, r] *= rescale[r]
+                    for r in range(lanes):
+                        total[r] += block_total[r]
                     _tile_load(6, p_t, 0, row)  # tiles: 0-1 O^T (queries 0-15 / 16-31), 5 V^T, 6-7 P^T
                     _tile_load(7, p_t, 16, row)
                     at = ((vt_first // 32 + b) * num_kv_heads + h) * dim_tiles * 512

@@ -4138,13 +4138,14 @@ def test_cpu_prefill_keys_padded_with_zeros_of_its_own_last_block(contiguous):
 
 @pytest.mark.parametrize(
     "block_size,num_kv_heads,group,head_dim,temperature",
-    [(16, 3, 3, 64, 1.0), (32, 2, 1, 128, 4.0), (16, 1, 4, 32, 1.0)],
+    [(16, 3, 3, 64, 1.0), (32, 2, 1, 128, 4.0), (16, 1, 4, 32, 16.0)],
 )
 def test_amx_prefill_matches_naive_attention(block_size, num_kv_heads, group, head_dim, temperature):
     """Where numba compiles for a CPU with AMX, a step's prefill rows go through one call of the AMX loops (the
     plan says so): whole prompts short and long, chunks after a cached prefix, blocks in shuffled order, NaN in
-    every slot the batch does not own, a decode row beside them. The output is naive attention's, as close to it
-    as the SDPA route's, and no NaN."""
+    every slot the batch does not own, a decode row beside them, sharp softmaxes (temperature) whose later blocks
+    pass the first block's max by more than AMX_LAZY_RESCALE. The output is naive attention's, as close to it as
+    the SDPA route's, and no NaN."""
     if kernels._amx_prefill_loops() is None:
         pytest.skip("numba is not installed, or this CPU has no AMX")
     seqs = [(0, 37), (0, 5), (150, 50), (0, 16), (63, 1), (3, 17), (0, 33)]
