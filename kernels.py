@@ -1323,8 +1323,8 @@ def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, nu
 # Everything above runs the engine on any device: the references are the rule, the Triton kernels
 # the GPU path. What follows only makes the engine quicker on a CPU: paged_attention_cpu (attention
 # planned once per step, decode rows as compiled loops (numba) or batched torch ops, prefill rows on AMX's
-# tiles where the CPU has them), then the
-# sampler's greedy argmax and the model's RMSNorm and rotary embedding over bf16 as compiled loops.
+# tiles where the CPU has them), then the sampler's greedy argmax and the model's RMSNorm and rotary embedding
+# over bf16 as compiled loops.
 # The tests hold each to the references (or to torch's ops); argmax_rows, rms_norm_cpu and
 # rotary_cpu return None where they do not run, and the caller uses torch ops.
 
@@ -2202,7 +2202,7 @@ def _amx_prefill_plan(prefill, block_tables, num_kv_heads):
         np.array([job for jobs in lists for job in jobs], np.int64).reshape(-1, 3),
         np.cumsum([0] + [len(jobs) for jobs in lists]).astype(np.int64),
         total,
-        sum(p.q_len * (p.seq_len - (p.q_len - 1) / 2) for p in prefill),
+        sum(p.q_len * (2 * p.seq_len - p.q_len + 1) // 2 for p in prefill),
     )
 
 
