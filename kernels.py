@@ -2057,15 +2057,13 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
     for job in prange(key_jobs.shape[0]):
         i, h, b = key_jobs[job, 0], key_jobs[job, 1], key_jobs[job, 2]
         at = ((seqs[i, 3] // 32 + b) * num_kv_heads + h) * dim_tiles * 512  # tile (b, h, d // 16): 16 rows of 32 keys
-        for key in range(32):
-            pos = b * 32 + key
-            if pos < seqs[i, 2]:
-                block, row = block_tables[i, pos // block_size], pos % block_size
-                for d in range(head_dim):
-                    vt[at + d * 32 + key] = v[block, row, h, d]
-            else:
-                for d in range(head_dim):
-                    vt[at + d * 32 + key] = 0
+        for half in range(2):  # 16 keys at a time: they lie in one block
+            pos = b * 32 + half * 16
+            n = min(16, seqs[i, 2] - pos)  # of them in the sequence
+            block, first_row = block_tables[i, pos // block_size] if n > 0 else 0, pos % block_size
+            for d in range(head_dim):  # (a row of 16 keys written at once; the values read down the block)
+                for key in range(16):
+                    vt[at + d * 32 + half * 16 + key] = v[block, first_row + key, h, d] if key < n else 0
     row = lanes * 4  # bytes from one row of the lane arrays to the next: a tile's row stride in them
     for t in prange(len(job_ends) - 1):
         _tile_config(tiles)
@@ -2073,6 +2071,7 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
         s_t = np.empty((32, lanes), np.float32)  # S^T: 32 keys x the queries, from four tiles
         p_t = np.empty((16, lanes), np.uint32)  # P^T: (key pair, query), the weights of two keys as bf16
         acc = np.empty((head_dim, lanes), np.float32)  # O^T: sum of weight x value, per query
+        o_t = np.empty((head_dim, lanes), np.int16)  # O^T rounded to bf16
         ref, total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # weights are exp(score - ref); their sum
         top, block_total = np.empty(lanes, np.float32), np.empty(lanes, np.float32)  # a block's max score; its weights'
         rescale = np.empty(lanes, np.float32)
@@ -2167,9 +2166,12 @@ def _prefill_attention_amx(q, k, v, block_tables, seqs, key_jobs, jobs, job_ends
                         _tile_store(1, acc, dt * 16 * lanes + 16, row)
                 for r in range(lanes):
                     rescale[r] = np.float32(1.0) / total[r]
+                for d in range(head_dim):  # rounded with the queries as lanes, then turned into the output's rows
+                    for r in range(lanes):
+                        o_t[d, r] = _narrow(_bf16(acc[d, r] * rescale[r]))
                 for r in range(rows):
                     for d in range(head_dim):
-                        out[start + tile * lanes + r, qh, d] = _narrow(_bf16(acc[d, r] * rescale[r]))
+                        out[start + tile * lanes + r, qh, d] = o_t[d, r]
         _tile_release()
 
 
