@@ -1692,6 +1692,14 @@ def _prefetch_nothing(array, index):
 prefetch = _prefetch_nothing  # _prefetch_intrinsic() once _compile has run
 
 
+def _element_pointer(context, builder, sig, args, k, index, kind):
+    """For an intrinsic's code: a pointer to element `index` of its C-contiguous array argument k (counted over the
+    array's memory), as a pointer to `kind` (a load or store through it says the element's alignment: LLVM would
+    assume a vector's own, 64 bytes)."""
+    data = context.make_array(sig.args[k])(context, builder, args[k]).data
+    return builder.bitcast(builder.gep(data, [index]), kind.as_pointer())
+
+
 @functools.cache
 def _prefetch_intrinsic():
     """prefetch(array, index) as numba compiles it: the CPU starts loading the cache line of array's element
@@ -1704,8 +1712,7 @@ def _prefetch_intrinsic():
     @intrinsic
     def prefetch(typingctx, array, index):
         def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+            address = _element_pointer(context, builder, signature, args, 0, args[1], ir.IntType(8))
             i32 = ir.IntType(32)
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0i8"
@@ -1753,12 +1760,6 @@ def _bf16_dot_intrinsics():
     def runs_on(array_type):
         return on_this_cpu and array_type.dtype == types.uint16
 
-    def address(context, builder, sig, args, k, index, kind):
-        """A pointer to element `index` of C-contiguous array argument k (counted over its memory), as a `kind` (a
-        load or store through it says the element's alignment: LLVM would assume a vector's own, 64 bytes)."""
-        data = context.make_array(sig.args[k])(context, builder, args[k]).data
-        return builder.bitcast(builder.gep(data, [index]), kind.as_pointer())
-
     def dpbf16ps(builder, acc, x, y):  # acc[l] + x[2l] * y[2l] + x[2l + 1] * y[2l + 1] for the 16 lanes l
         kind = ir.FunctionType(lanes, [lanes, values, values])
         return builder.call(
@@ -1775,7 +1776,9 @@ def _bf16_dot_intrinsics():
             sums = cgutils.alloca_once_value(builder, ir.Constant(lanes, None))
             with cgutils.for_range_slice(builder, i64(0), args[4], i64(32)) as (e, _):
                 x, y = (
-                    builder.load(address(context, builder, sig, args, k, builder.add(args[k + 1], e), values), align=2)
+                    builder.load(
+                        _element_pointer(context, builder, sig, args, k, builder.add(args[k + 1], e), values), align=2
+                    )
                     for k in (0, 2)
                 )
                 builder.store(dpbf16ps(builder, builder.load(sums), x, y), sums)
@@ -1803,13 +1806,17 @@ def _bf16_dot_intrinsics():
             halves = ir.VectorType(ir.IntType(16), 32)
             with cgutils.for_range_slice(builder, i64(0), n, i64(32)) as (e, _):
                 rows = [
-                    builder.load(address(context, builder, sig, args, 4, builder.add(start, e), halves), align=2)
+                    builder.load(
+                        _element_pointer(context, builder, sig, args, 4, builder.add(start, e), halves), align=2
+                    )
                     for start in (i, j)
                 ]
                 for half in (0, 16):  # v[i + d], v[j + d] side by side for 16 d at a time: p * one + r * other
                     side_by_side = [x for d in range(half, half + 16) for x in (d, 32 + d)]
                     pair = builder.shuffle_vector(rows[0], rows[1], ir.Constant(ir.VectorType(i32, 32), side_by_side))
-                    out = address(context, builder, sig, args, 0, builder.add(at, builder.add(e, i64(half))), lanes)
+                    out = _element_pointer(
+                        context, builder, sig, args, 0, builder.add(at, builder.add(e, i64(half))), lanes
+                    )
                     sums = dpbf16ps(builder, builder.load(out, align=4), weights, builder.bitcast(pair, values))
                     builder.store(sums, out, align=4)
             return context.get_dummy_value()
@@ -2268,17 +2275,13 @@ def _amx_intrinsics():
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), arg_types), name)
         builder.call(fn, args)
 
-    def pointer(context, builder, array_type, array, index):
-        data = context.make_array(array_type)(context, builder, array).data
-        return builder.bitcast(builder.gep(data, [index]), i8.as_pointer())
-
     def tile(t):
         return i8(t.literal_value)
 
     @intrinsic
     def config(typingctx, tiles):
         def codegen(context, builder, sig, args):
-            address = pointer(context, builder, sig.args[0], args[0], i64(0))
+            address = _element_pointer(context, builder, sig, args, 0, i64(0), i8)
             call(builder, "llvm.x86.ldtilecfg", [i8.as_pointer()], [address])
             return context.get_dummy_value()
 
@@ -2291,7 +2294,7 @@ def _amx_intrinsics():
                 return None
 
             def codegen(context, builder, sig, args):
-                address = pointer(context, builder, sig.args[1], args[1], args[2])
+                address = _element_pointer(context, builder, sig, args, 1, args[2], i8)
                 call(builder, name, [i8, i8.as_pointer(), i64], [tile(sig.args[0]), address, args[3]])
                 return context.get_dummy_value()
 
