@@ -2819,10 +2819,11 @@ def pack_linears_cpu(model):
 
 # ---- The CPU path: a GGUF's 4-bit weights, for small batches ----
 # A decode step of a few sequences reads every weight once per step: its matmuls run at the memory's speed, and
-# a weight in 4 bits is a quarter of the bytes of bf16. A GGUF's Q4_1 blocks (32 weights: 4-bit q, a scale d and
-# a minimum m, w = q * d + m) fit torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d,
-# zero = m + 8 * d, each stored as bf16 beside the bf16 activations (its fast form). Only up to INT4_MAX_ROWS
-# rows: from there on oneDNN's packed bf16 matmul, whose work per weight read is cheaper, is faster.
+# a weight in 4 bits is a quarter of the bytes of bf16, an eighth of fp32's. A GGUF's Q4_1 blocks (32 weights:
+# 4-bit q, a scale d and a minimum m, w = q * d + m) fit torch's int4 CPU matmul, which computes
+# (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each stored as bf16 beside bf16 activations (its fast form;
+# an fp32 model's rows are rounded to bf16 for it). Only up to INT4_MAX_ROWS rows: from there on oneDNN's packed
+# matmul, whose work per weight read is cheaper, is faster.
 
 INT4_MAX_ROWS = 8
 Q4_1_BLOCK = 32
@@ -2839,19 +2840,21 @@ def q4_1_parts(raw, shape):
 
 
 class Int4Linear(PackedLinear):
-    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows."""
+    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows.
+    The int4 matmul is fast with bf16 activations only: an fp32 model's rows are rounded to bf16 for it."""
 
     def forward(self, x):
         if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
             return super().forward(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4, Q4_1_BLOCK, self.int4_scales)
+        rows = x.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.int4, Q4_1_BLOCK, self.int4_scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
 def attach_int4(linear, q, d, m):
-    """Give a bf16 PackedLinear the 4-bit copy of its weight, from q (out, in) in 0..15 and d, m (out, in / 32)
-    fp32, if this torch has the int4 CPU matmul; returns whether it did."""
-    if not USE_CPU_INT4 or type(linear) is not PackedLinear or linear.weight.dtype != torch.bfloat16:
+    """Give a bf16 or fp32 PackedLinear the 4-bit copy of its weight, from q (out, in) in 0..15 and d, m
+    (out, in / 32) fp32, if this torch has the int4 CPU matmul; returns whether it did."""
+    if not USE_CPU_INT4 or type(linear) is not PackedLinear:  # (packed: bf16 or fp32)
         return False
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)

@@ -820,7 +820,7 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         if os.path.isfile(tokenizer_path)
         else AutoTokenizer.from_pretrained(tokenizer_path)
     )
-    on_cpu = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and tp is None and kernels.USE_CPU_INT4
+    on_cpu = torch.device(device).type == "cpu" and dtype != torch.float16 and tp is None and kernels.USE_CPU_INT4
     quantized = {} if gguf and on_cpu else None  # hook (CPU 4-bit weights): a GGUF's Q4_1 tensors, as they are
     state = gguf_weights(*gguf, cfg, quantized) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop(
@@ -2318,7 +2318,7 @@ def freeze_gc_heap():
 
 
 def attach_gguf_int4(model, quantized, cfg):
-    """load_model's hook on a CPU in bf16: each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
+    """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
     copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
     gate/up stacked as the bf16 weights are (merge_projections). The lm_head (a Q8_0 or tied embedding) stays."""
     q, d, m = (merge_projections({name: parts[i] for name, parts in quantized.items()}, cfg) for i in range(3))

@@ -1092,30 +1092,37 @@ def test_q4_1_parts_are_the_blocks_gguf_dequantizes():
     assert torch.equal(w.view(6, 96), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
 
 
-@pytest.mark.parametrize("family", ["llama-gqa-untied", "llama-attention-bias"])
-def test_a_q4_1_gguf_in_bf16_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
-    family, tiny_models, default_tokenizer, tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("llama-gqa-untied", "bfloat16"), ("llama-attention-bias", "bfloat16"), ("llama-attention-bias", "float32")],
+)
+def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
+    family, dtype, tiny_models, default_tokenizer, tmp_path, monkeypatch
 ):
-    """A GGUF's Q4_1 matrices loaded in bf16 on a CPU: every layer's linear gets a 4-bit copy (rows in HF's order,
-    q/k/v and gate/up stacked as the bf16 weight: each column read through the int4 matmul is the bf16 weight's,
-    within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows; the lm_head
-    stays bf16; greedy tokens equal those of the same file without the copies (NANOBATCH_CPU_INT4=0)."""
+    """A GGUF's Q4_1 matrices loaded on a CPU in bf16 or fp32: every layer's linear gets a 4-bit copy (rows in HF's
+    order, q/k/v and gate/up stacked as the model's weight: each column read through the int4 matmul is the model's
+    weight's, within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows (an
+    fp32 model's rows rounded to bf16 for it, its output fp32); the lm_head stays as it is; greedy tokens equal
+    those of the same file without the copies (NANOBATCH_CPU_INT4=0)."""
     model = (
         tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
     )
     path = write_gguf(tmp_path / "tiny-q4_1.gguf", model, q4_1=True)
     monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
-    llm = LLM(model=path, num_kv_blocks=64, device="cpu", dtype="bfloat16")
+    llm = LLM(model=path, num_kv_blocks=64, device="cpu", dtype=dtype)
     cfg = llm.model_config
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    if not linears[0].weight.is_mkldnn:  # the 4-bit copies join packed weights only
+        pytest.skip(f"this CPU has no oneDNN {dtype} packing (pack_linears_cpu warned and kept F.linear)")
     assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + ["PackedLinear"]
     for linear in linears[:-1]:
-        columns = torch.eye(linear.in_features, dtype=torch.bfloat16)
+        columns = torch.eye(linear.in_features, dtype=getattr(torch, dtype))
         for rows in columns.split(kernels.INT4_MAX_ROWS):
-            got, want = linear(rows).float(), kernels.PackedLinear.forward(linear, rows).float()
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-        many = torch.randn(kernels.INT4_MAX_ROWS + 1, linear.in_features).bfloat16()
-        assert torch.equal(linear(many), kernels.PackedLinear.forward(linear, many))  # more rows: the bf16 weights
+            got, want = linear(rows), kernels.PackedLinear.forward(linear, rows)
+            assert got.dtype == want.dtype == rows.dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        many = torch.randn(kernels.INT4_MAX_ROWS + 1, linear.in_features).to(rows.dtype)
+        assert torch.equal(linear(many), kernels.PackedLinear.forward(linear, many))  # more rows: the model's weights
     rng = random.Random(family)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 40)]
     params = SamplingParams(max_tokens=12, **GREEDY)
@@ -1124,7 +1131,7 @@ def test_a_q4_1_gguf_in_bf16_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert any(x.shape[0] <= kernels.INT4_MAX_ROWS for _, x in small_calls)
     monkeypatch.setattr(kernels, "USE_CPU_INT4", False)
-    plain = LLM(model=path, num_kv_blocks=64, device="cpu", dtype="bfloat16")
+    plain = LLM(model=path, num_kv_blocks=64, device="cpu", dtype=dtype)
     assert all(type(m) is kernels.PackedLinear for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [t[:5] for t in got] == [t[:5] for t in want]  # (then bf16 near-ties may part them)
