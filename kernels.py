@@ -29,10 +29,10 @@ plus the dispatcher nanobatch.py calls.
     paged_attention_cpu                        the engine's CPU path, planned once per step (plan_paged_attention):
                                                decode rows as compiled loops (numba) or batched torch ops
     store_kv / paged_attention / rms_norm /    dispatch: Triton for CUDA tensors; on a CPU the references, the
-    silu_and_mul / rotary / rotary_and_store   CPU attention path and the bf16 loops; on a GPU without triton,
+    silu_and_mul / rotary / rotary_and_store   CPU attention path and the CPU loops; on a GPU without triton,
                                                the references
     rms_norm_cpu / rotary_cpu /                the model's add + RMSNorm, rotary embedding (+ K/V store) and
-    silu_and_mul_cpu / argmax_rows             SiLU * up, the sampler's greedy argmax over bf16 CPU tensors, as
+    silu_and_mul_cpu / argmax_rows             SiLU * up (bf16 or fp32), the sampler's greedy argmax (bf16), as
                                                compiled loops (or None: the caller uses torch ops)
     pack_linears_cpu / greedy_tokens /         the engine's other CPU speed hooks: bf16 weights packed once
     sample_nucleus / cpu_prefers_bf16 /        for oneDNN, the sampler's argmax and its top-p without a sort,
@@ -1269,7 +1269,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 def rms_norm(x, weight, eps, residual=None):
     """rms_norm_ref's contract: the normalised rows, or with residual (normed rows, x + residual), the add
-    written into residual in place (Triton, and the CPU's compiled loops over bf16: rms_norm_cpu)."""
+    written into residual in place (Triton, and the CPU's compiled loops over bf16 or fp32: rms_norm_cpu)."""
     if _use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     out = rms_norm_cpu(x, weight, eps, residual)  # None where the loops do not run
@@ -1284,7 +1284,7 @@ def silu_and_mul(gate_up):
 
 
 def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
-    """rotary_ref's contract (in place on Triton); on a CPU, bf16 heads go to the compiled loops (rotary_cpu)."""
+    """rotary_ref's contract (in place on Triton); on a CPU, bf16 or fp32 heads go to compiled loops (rotary_cpu)."""
     if _use_triton(q):
         return rotary_triton(q, k, rope, q_norm, k_norm, eps)
     if q_norm is not None:
@@ -1297,7 +1297,7 @@ def rotary(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
 
 
 def rotary_and_store(q, k, v, rope, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
-    """rotary, then store_kv of the rotated k and v -> the rotated q. On a CPU, bf16 runs as one compiled loop
+    """rotary, then store_kv of the rotated k and v -> the rotated q. On a CPU, bf16 or fp32 runs as one compiled loop
     (rotary_cpu with the caches: each rotated k row goes straight to its slot)."""
     if not _use_triton(q):
         if q_norm is not None:
@@ -1323,8 +1323,8 @@ def plan_paged_attention(block_tables, seq_lens, query_start_loc, block_size, nu
 # Everything above runs the engine on any device: the references are the rule, the Triton kernels
 # the GPU path. What follows only makes the engine quicker on a CPU: paged_attention_cpu (attention
 # planned once per step, decode rows as compiled loops (numba) or batched torch ops, prefill rows on AMX's
-# tiles where the CPU has them), then the sampler's greedy argmax and the model's RMSNorm and rotary embedding
-# over bf16 as compiled loops.
+# tiles where the CPU has them), then the sampler's greedy argmax over bf16 and the model's RMSNorm, rotary
+# embedding and SwiGLU over bf16 or fp32 as compiled loops.
 # The tests hold each to the references (or to torch's ops); argmax_rows, rms_norm_cpu and
 # rotary_cpu return None where they do not run, and the caller uses torch ops.
 
@@ -1849,6 +1849,9 @@ def _bit_cast_intrinsics():
 # cache (cache=True) notices a change to this file, not to another one.
 _LOOP_HELPERS = (
     "_widen",
+    "_load",
+    "_round_as",
+    "_to",
     "_widened",
     "_bf16",
     "_narrow",
@@ -2386,7 +2389,7 @@ def _argmax_loops(x, out):
         out[i] = first
 
 
-# ---- The CPU path: a decoder layer's small ops over bf16, as compiled loops ----
+# ---- The CPU path: a decoder layer's small ops over bf16 (or fp32), as compiled loops ----
 # Each torch op over a bf16 (tokens, hidden) tensor widens it to fp32, computes, rounds back and
 # writes a whole new tensor: the residual add and HF's RMSNorm are 9 such ops, the rotary embedding
 # of q and k and the K/V store 8, SwiGLU's silu(gate) * up 2 (and a whole tensor between them); a loop reads its
@@ -2394,21 +2397,23 @@ def _argmax_loops(x, out):
 # The loops round to bf16 where torch does (round to nearest even, NaN kept), so the residual add and
 # the rotary embedding are torch's bit for bit (but for the sign and payload bits of a NaN); RMSNorm
 # differs only where the sum of squares, added in another order, moves x across a rounding step
-# (rarely; two ulps at most, after weight * x). Each returns None where it does not run (not CPU
-# bf16 tensors, numba not installed or USE_CPU_LOOPS off): the caller uses torch ops.
+# (rarely; two ulps at most, after weight * x). Over fp32 (an fp32 model) the same loops round nothing:
+# each op's one pass against torch's several, within a few fp32 ulps of them. Each returns None where it does
+# not run (not CPU bf16 or fp32 tensors, numba not installed or USE_CPU_LOOPS off): the caller uses torch ops.
 
 
 def rms_norm_cpu(x, weight, eps, residual=None):
-    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16.
-    With residual (x's shape, contiguous): x + residual first, written into residual -> (normed, residual)."""
+    """weight * bf16(x * rsqrt(mean(x**2) + eps)), with x in fp32 as HF computes it. x (..., dim) bf16 (or fp32,
+    no rounding). With residual (x's shape, contiguous): x + residual first, written into residual ->
+    (normed, residual)."""
     if residual is not None and x.numel() < LOOP_MIN_WORK and _c_rows(x, residual, weight):
-        one_thread = _rms_norm_c()  # a decode step's norms: one C call on the data pointers
+        one_thread = _rms_norm_c(x.dtype)  # a decode step's norms: one C call on the data pointers
         if one_thread is not None:
             out = torch.empty_like(x)
             rows, dim = x.shape
             one_thread(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, rows, dim, eps)
             return out, residual
-    if not _bf16_loops_apply(x, weight, *([] if residual is None else [residual])) or weight.shape != x.shape[-1:]:
+    if not _loops_apply(x, weight, *([] if residual is None else [residual])) or weight.shape != x.shape[-1:]:
         return None
     if residual is not None and not (residual.shape == x.shape and residual.is_contiguous()):
         return None
@@ -2418,22 +2423,23 @@ def rms_norm_cpu(x, weight, eps, residual=None):
     x2 = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(x2)
     r2 = x2[:0] if residual is None else residual.view(x2.shape)  # no rows: no add
-    one_thread = _rms_norm_c() if x2.numel() < LOOP_MIN_WORK and weight.is_contiguous() else None
+    one_thread = _rms_norm_c(x.dtype) if x2.numel() < LOOP_MIN_WORK and weight.is_contiguous() else None
     if one_thread is not None:  # a few rows (Qwen3's q/k norms in a decode step): a C call on the data pointers
         one_thread(*(t.data_ptr() for t in (x2, r2, weight, out)), len(x2), len(r2), x2.shape[1], eps)
     else:
-        loops(x2.numel(), *(t.view(torch.int16).numpy() for t in (x2, r2, weight, out)), eps)
+        loops(x2.numel(), *(_elements(t) for t in (x2, r2, weight, out)), eps)
     return out.view(x.shape) if residual is None else (out.view(x.shape), residual)
 
 
 def _c_rows(x, residual, weight):
     """What the C functions read through data pointers: x (rows, dim) and residual (its shape), weight (dim,),
-    CPU bf16 and contiguous. In as few torch calls as check it: a decode step's small ops run right after a
+    CPU bf16 (or fp32) and contiguous. In as few torch calls as check it: a decode step's small ops run right after a
     matmul, whose weights leave the caches cold, and each distinct torch call then costs its own cache misses
     (docs/kernels.md has the figures)."""
     return (
         USE_CPU_LOOPS
-        and x.dtype == residual.dtype == weight.dtype == torch.bfloat16
+        and x.dtype == residual.dtype == weight.dtype
+        and x.dtype in ELEMENTS
         and x.is_cpu
         and residual.is_cpu
         and weight.is_cpu
@@ -2447,14 +2453,16 @@ def _c_rows(x, residual, weight):
 
 
 @functools.cache
-def _rms_norm_c():
-    return _c_function(_rms_norm_pointers, *["voidptr"] * 4, "int64", "int64", "int64", "float64")
+def _rms_norm_c(dtype):
+    element = ELEMENTS[dtype] + "*"
+    return _c_function(_rms_norm_pointers, *[element] * 4, "int64", "int64", "int64", "float64")
 
 
 @functools.cache
 def _c_function(fn, *arg_types):
-    """fn (arguments: numba type names) compiled by numba.cfunc, as a ctypes function, or None where numba is
-    missing or cannot compile it (with a warning; the caller takes its other route). A decode step's small calls
+    """fn (arguments: numba type names, "int16*" a pointer to int16s) compiled by numba.cfunc, as a ctypes function
+    taking pointers as ints (data_ptr()), or None where numba is missing or cannot compile it (with a warning; the
+    caller takes its other route). A decode step's small calls
     go this way: a call through ctypes on the data pointers skips the numpy views and numba's dispatch of the
     parallel loops (each runs cold after the matmuls; docs/kernels.md has the figures)."""
     numba = _numba() if USE_CPU_LOOPS else None
@@ -2462,19 +2470,26 @@ def _c_function(fn, *arg_types):
         return None
     announce_compile(fn)
     try:
-        signature = numba.types.void(*(getattr(numba.types, t) for t in arg_types))
-        compiled = numba.cfunc(signature, fastmath={"reassoc", "contract"}, error_model="numpy", cache=True)(fn)
-        return compiled.ctypes
+        types = [
+            numba.types.CPointer(getattr(numba.types, t[:-1])) if t[-1] == "*" else getattr(numba.types, t)
+            for t in arg_types
+        ]
+        compiled = numba.cfunc(
+            numba.types.void(*types), fastmath={"reassoc", "contract"}, error_model="numpy", cache=True
+        )(fn)
+        function = compiled.ctypes
+        function.argtypes = [ctypes.c_void_p if t[-1] == "*" else a for t, a in zip(arg_types, function.argtypes)]
+        return function
     except Exception as e:  # e.g. no writable cache folder
         warnings.warn(f"kernels: the C function {fn.__name__} is off ({type(e).__name__}: {e}); the loops run instead")
         return None
 
 
 def rotary_cpu(q, k, rope, store=None):
-    """rotary_ref's rotary embedding (no q/k norm) of q (T, H, D) and k (T, Hkv, D) bf16 (each head's last dim
-    contiguous), by rope (T, D) fp32 -> new (q, k). With store = (v, k_cache, v_cache, slot_mapping): store_kv's
-    write of the rotated k and of v into bf16 caches, in the same loop -> the new q."""
-    if q.dim() != 3 or k.dim() != 3 or not _bf16_loops_apply(q, k) or q.stride(-1) != 1 or k.stride(-1) != 1:
+    """rotary_ref's rotary embedding (no q/k norm) of q (T, H, D) and k (T, Hkv, D) bf16 or fp32 (each head's last
+    dim contiguous), by rope (T, D) fp32 -> new (q, k). With store = (v, k_cache, v_cache, slot_mapping): store_kv's
+    write of the rotated k and of v into the caches (q's dtype), in the same loop -> the new q."""
+    if q.dim() != 3 or k.dim() != 3 or not _loops_apply(q, k) or q.stride(-1) != 1 or k.stride(-1) != 1:
         return None
     tokens, _, head_dim = q.shape
     if head_dim % 2 or k.shape[::2] != q.shape[::2] or rope.shape != (tokens, head_dim) or rope.dtype != torch.float32:
@@ -2484,7 +2499,7 @@ def rotary_cpu(q, k, rope, store=None):
         v, v_out, slots = k[:0], k_out[:0], torch.arange(tokens)  # k's rows in order; no v
     else:
         v, k_cache, v_cache, slots = store
-        if not (_bf16_loops_apply(v, k_cache, v_cache) and v.stride(-1) == 1) or slots.device.type != "cpu":
+        if not (_loops_apply(q, v, k_cache, v_cache) and v.stride(-1) == 1) or slots.device.type != "cpu":
             return None
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
@@ -2497,13 +2512,15 @@ def rotary_cpu(q, k, rope, store=None):
     # q, k and v as rows of head_dim-wide heads (the qkv output's views): a decode step's call a C function
     rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v)) and slots.is_contiguous()
     small = rows and q.numel() + k.numel() < ROTARY_C_WORK
-    one_thread = _c_function(_rotary_pointers, *["voidptr"] * 8, *["int64"] * 9) if small else None
+    element = ELEMENTS[q.dtype] + "*"
+    pointer_types = [element] * 3 + ["float32*", "int64*"] + [element] * 3
+    one_thread = _c_function(_rotary_pointers, *pointer_types, *["int64"] * 9) if small else None
     if one_thread is not None:
         pointers = (t.data_ptr() for t in (q, k, v, rope, slots, q_out, k_out, v_out))
         sizes = (q.shape[1], k.shape[1], head_dim, len(v), len(k_out))
         one_thread(*pointers, tokens, q.stride(0), k.stride(0), v.stride(0), *sizes)
     else:
-        bits = [t.view(torch.int16).numpy() for t in (q, k, v, q_out, k_out, v_out)]
+        bits = [_elements(t) for t in (q, k, v, q_out, k_out, v_out)]
         loops(q.numel() + k.numel(), *bits[:3], rope.numpy(), slots.numpy(), *bits[3:])
     return q_out if store is not None else (q_out, k_out)
 
@@ -2515,19 +2532,31 @@ ROTARY_C_WORK = 4 * LOOP_MIN_WORK
 
 def silu_and_mul_cpu(gate_up):
     """silu_and_mul_ref of bf16 rows (T, 2 * I) in one pass -> (T, I): torch's bits (silu in fp32, rounded to bf16,
-    then the product rounded), or None where the loops do not run."""
-    if not _bf16_loops_apply(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+    then the product rounded; fp32 rows within its rounding), or None where the loops do not run."""
+    if not _loops_apply(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         return None
     loops = _compile_elementwise(_silu_and_mul_loops)
     if loops is None:
         return None
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    loops(gate_up.numel(), gate_up.view(torch.int16).numpy(), out.view(torch.int16).numpy())
+    loops(gate_up.numel(), _elements(gate_up), _elements(out))
     return out
 
 
-def _bf16_loops_apply(*tensors):
-    return USE_CPU_LOOPS and all(t.is_cpu and t.dtype == torch.bfloat16 for t in tensors)
+ELEMENTS = {torch.bfloat16: "int16", torch.float32: "float32"}  # the small ops' loops: dtype -> their element type
+
+
+def _loops_apply(*tensors):
+    return (
+        USE_CPU_LOOPS
+        and all(t.is_cpu and t.dtype == tensors[0].dtype for t in tensors)
+        and tensors[0].dtype in ELEMENTS
+    )
+
+
+def _elements(t):
+    """A tensor as the loops' numpy array: bf16 as its bits (int16), fp32 as it is."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @functools.cache
@@ -2562,11 +2591,36 @@ def _widen(h):
 
 
 def _widened(bits):
-    """bf16 bits (an int16 array) -> a new fp32 array of their values."""
+    """bf16 bits (an int16 array), or fp32 values -> a new fp32 array of their values."""
     values = np.empty(len(bits), np.float32)
     for d in range(len(bits)):
-        values[d] = _widen(bits[d])
+        values[d] = _load(bits[d])
     return values
+
+
+# The small ops' loops run over bf16 bits (int16 arrays) or fp32 arrays alike: numba compiles them once per
+# element type, and these three, given an element of the tensor (`like`), keep only that type's branch.
+
+
+def _load(x):
+    """An element -> its fp32 value: bf16 bits widened, an fp32 as it is."""
+    if isinstance(x, np.float32):
+        return x
+    return _widen(x)
+
+
+def _round_as(value, like):
+    """An fp32 value rounded where torch rounds to the tensor's dtype: to bf16 for bf16 bits, else as it is."""
+    if isinstance(like, np.float32):
+        return value
+    return _bf16(value)
+
+
+def _to(value, like):
+    """An fp32 value, rounded, as the tensor's element: bf16 bits, or the fp32 itself."""
+    if isinstance(like, np.float32):
+        return value
+    return _narrow(_bf16(value))
 
 
 def _bf16(value):
@@ -2600,19 +2654,20 @@ def _exp(x):
 
 
 def _silu_and_mul_loops(gate_up, out):
-    """gate_up (T, 2 * I), out (T, I): bf16 bits. silu(g) = g / (1 + exp(-g)) in fp32 rounded to bf16, times up,
-    rounded: torch's two ops (its exp and this one agree to fp32's last bits, which bf16 rounds away).
-    Infinities and NaNs as torch: silu(-inf) is NaN, silu(inf) inf."""
+    """gate_up (T, 2 * I), out (T, I): bf16 bits (or fp32). silu(g) = g / (1 + exp(-g)) in fp32 rounded to bf16,
+    times up, rounded: torch's two ops (its exp and this one agree to fp32's last bits, which bf16 rounds away; in
+    fp32, within a few of them). Infinities and NaNs as torch: silu(-inf) is NaN, silu(inf) inf."""
     n = out.shape[1]
     for i in prange(gate_up.shape[0]):
+        like = gate_up[i, 0]
         for d in range(n):
-            g = _widen(gate_up[i, d])
-            silu = _bf16(g / (np.float32(1.0) + _exp(-g)))
-            out[i, d] = _narrow(_bf16(silu * _widen(gate_up[i, n + d])))
+            g = _load(gate_up[i, d])
+            silu = _round_as(g / (np.float32(1.0) + _exp(-g)), like)
+            out[i, d] = _to(silu * _load(gate_up[i, n + d]), like)
 
 
 def _rms_norm_loops(x, residual, weight, out, eps):
-    """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits."""
+    """x (rows, dim), residual (rows, dim) or (0, dim): no add, weight (dim,), out (rows, dim): bf16 bits (or fp32)."""
     rows, dim = x.shape
     w, add = _widened(weight), residual.shape[0] > 0
     for i in prange(rows):
@@ -2622,32 +2677,32 @@ def _rms_norm_loops(x, residual, weight, out, eps):
 def _rms_norm_pointers(x, residual, weight, out, rows, residual_rows, dim, eps):
     """_rms_norm_loops on the calling thread, over the tensors' data pointers: compiled as a C function
     (_c_function), called through ctypes without numpy views or numba's type dispatch."""
-    x, out = carray(x, (rows, dim), np.int16), carray(out, (rows, dim), np.int16)
-    residual, w = carray(residual, (residual_rows, dim), np.int16), _widened(carray(weight, (dim,), np.int16))
+    x, out = carray(x, (rows, dim)), carray(out, (rows, dim))  # (typed pointers: int16 for bf16 bits, or fp32)
+    residual, w = carray(residual, (residual_rows, dim)), _widened(carray(weight, (dim,)))
     for i in range(rows):
         _rms_norm_row(x[i], residual[i] if residual_rows else x[i], residual_rows > 0, w, eps, out[i])
 
 
 def _rms_norm_row(x, residual, add, w, eps, out):
-    """One row: where add, x + residual in bf16, written back into residual; then its RMSNorm into out.
+    """One row: where add, x + residual in x's dtype, written back into residual; then its RMSNorm into out.
     Two passes over the row, each element widened, rounded and narrowed in registers."""
-    dim = len(x)
+    dim, like = len(x), x[0]
     v = np.empty(dim, np.float32)  # the row in fp32 (after the add)
     squares = np.float32(0.0)
     for d in range(dim):
-        value = _widen(x[d])
-        if add:  # the residual stream's add, in bf16
-            value = _bf16(value + _widen(residual[d]))
-            residual[d] = _narrow(value)
+        value = _load(x[d])
+        if add:  # the residual stream's add, in x's dtype
+            value = _round_as(value + _load(residual[d]), like)
+            residual[d] = _to(value, like)
         v[d] = value
         squares += value * value
     scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
     for d in range(dim):
-        out[d] = _narrow(_bf16(_bf16(v[d] * scale) * w[d]))  # x.to(bf16), then weight * x in bf16
+        out[d] = _to(_round_as(v[d] * scale, like) * w[d], like)  # x.to(dtype), then weight * x in it
 
 
 def _rotary_loops(q, k, v, rope, slots, q_out, k_out, v_out):
-    """q (T, H, D), k, v (T, Hkv, D): bf16 bits, last dim contiguous (v: (0, Hkv, D) for none); rope (T, D)
+    """q (T, H, D), k, v (T, Hkv, D): bf16 bits (or fp32), last dim contiguous (v: (0, Hkv, D) for none); rope (T, D)
     fp32, cos | sin of each token's D / 2 angles, rounded to bf16 here as HF's cos.to(bf16); q_out (T, H, D);
     k_out, v_out (rows, Hkv, D): token i's rotated k and its v go to row slots[i] (none where it is -1)."""
     for i in prange(q.shape[0]):
@@ -2660,13 +2715,13 @@ def _rotary_pointers(
     """_rotary_loops on the calling thread, over data pointers (as _rms_norm_pointers), for q, k and v whose
     rows (q_row, k_row, v_row elements apart) hold their heads side by side. v has v_rows rows (0: no v and
     no v_out); k_out (and v_out) k_slots: the cache's slots in a store, else tokens."""
-    q = carray(q, (tokens, q_row // head_dim, head_dim), np.int16)[:, :heads]
-    k = carray(k, (tokens, k_row // head_dim, head_dim), np.int16)[:, :kv_heads]
-    v = carray(v, (v_rows, v_row // head_dim, head_dim), np.int16)[:, :kv_heads]
-    rope, slots = carray(rope, (tokens, head_dim), np.float32), carray(slots, (tokens,), np.int64)
-    q_out = carray(q_out, (tokens, heads, head_dim), np.int16)
-    k_out = carray(k_out, (k_slots, kv_heads, head_dim), np.int16)
-    v_out = carray(v_out, (k_slots if v_rows else 0, kv_heads, head_dim), np.int16)
+    q = carray(q, (tokens, q_row // head_dim, head_dim))[:, :heads]  # (typed pointers: int16 bits, or fp32)
+    k = carray(k, (tokens, k_row // head_dim, head_dim))[:, :kv_heads]
+    v = carray(v, (v_rows, v_row // head_dim, head_dim))[:, :kv_heads]
+    rope, slots = carray(rope, (tokens, head_dim)), carray(slots, (tokens,))
+    q_out = carray(q_out, (tokens, heads, head_dim))
+    k_out = carray(k_out, (k_slots, kv_heads, head_dim))
+    v_out = carray(v_out, (k_slots if v_rows else 0, kv_heads, head_dim))
     for i in range(tokens):
         _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out)
 
@@ -2677,7 +2732,7 @@ def _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out):
     half = q.shape[2] // 2
     c, s = np.empty(half, np.float32), np.empty(half, np.float32)  # HF's cat(freqs, freqs): each angle twice
     for d in range(half):
-        c[d], s[d] = _bf16(rope[i, d]), _bf16(rope[i, half + d])
+        c[d], s[d] = _round_as(rope[i, d], q[i, 0, 0]), _round_as(rope[i, half + d], q[i, 0, 0])
     x = np.empty(2 * half, np.float32)  # a head, widened
     for h in range(q.shape[1]):
         _rotate_head(q[i, h], c, s, x, q_out[i, h])
@@ -2694,15 +2749,16 @@ def _rotary_token(i, q, k, v, rope, slots, q_out, k_out, v_out):
 
 def _rotate_head(head, c, s, x, out):
     """One head: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), each product and the sum
-    rounded to bf16 as torch's ops do. c, s: the half-width cos and sin (rounded); x: the head's fp32 scratch
-    (widened there first: a strided view of the qkv output does not run in SIMD lanes, a contiguous row does)."""
-    half = len(c)
+    rounded to the head's dtype as torch's ops do. c, s: the half-width cos and sin (rounded); x: the head's fp32
+    scratch (widened there first: a strided view of the qkv output does not run in SIMD lanes, a contiguous row
+    does)."""
+    half, like = len(c), head[0]
     for d in range(2 * half):
-        x[d] = _widen(head[d])
+        x[d] = _load(head[d])
     for d in range(half):
         x1, x2 = x[d], x[d + half]
-        out[d] = _narrow(_bf16(_bf16(x1 * c[d]) - _bf16(x2 * s[d])))
-        out[d + half] = _narrow(_bf16(_bf16(x2 * c[d]) + _bf16(x1 * s[d])))
+        out[d] = _to(_round_as(x1 * c[d], like) - _round_as(x2 * s[d], like), like)
+        out[d + half] = _to(_round_as(x2 * c[d], like) + _round_as(x1 * s[d], like), like)
 
 
 # ---- The CPU path: which dtype, the KV pool's pages, weight packing, greedy argmax and top-p without a sort ----
@@ -2864,6 +2920,80 @@ def attach_int4(linear, q, d, m):
     linear.int4_scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (in/32, out, 2)
     linear.__class__ = Int4Linear
     return True
+
+
+# A GGUF's Q8_0 matrix (the default model's embedding, tied: its lm_head) is blocks of 32 int8 weights q and an fp16
+# scale d, w = q * d. A small step reads the lm_head's weights once: 113 MB in fp32, 57 in bf16, 32 as the file's
+# int8 values and fp32 scales. Q8Linear's compiled loops take those (q * d in fp32 is exactly the model's weight,
+# summed in another order) for calls of up to INT4_MAX_ROWS rows.
+
+Q8_0_BLOCK = 32
+
+
+def q8_0_parts(raw, shape):
+    """A Q8_0 tensor's raw bytes (rows, blocks * 34) -> (q, d): q (rows, cols) int8, d (rows, blocks) fp32 (exactly
+    the file's fp16 scales). A block is d (fp16), then its 32 weights."""
+    blocks = torch.from_numpy(np.asarray(raw)).reshape(shape[0], -1, 2 + Q8_0_BLOCK)
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    return blocks[..., 2:].contiguous().view(torch.int8).reshape(shape), d
+
+
+class Q8Linear(PackedLinear):
+    """PackedLinear with the file's Q8_0 copy of its weight (attach_q8_0) for calls of up to INT4_MAX_ROWS rows."""
+
+    def forward(self, x):
+        if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
+            return super().forward(x)
+        rows, out = x.float().contiguous(), torch.empty(x.shape[0], self.out_features)
+        _compile_q8_0()(
+            rows.numel() * self.out_features, rows.numpy(), self.q8.numpy(), self.q8_scales.numpy(), out.numpy()
+        )
+        y = out.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def attach_q8_0(linear, q, d):
+    """Give a bf16 or fp32 PackedLinear the file's 8-bit copy of its weight, q (out, in) int8 and d (out, in / 32)
+    fp32, where the loops compile; returns whether it did."""
+    if not USE_CPU_INT4 or type(linear) is not PackedLinear or _compile_q8_0() is None:
+        return False
+    linear.q8, linear.q8_scales = q.contiguous(), d.contiguous()
+    linear.__class__ = Q8Linear
+    return True
+
+
+@functools.cache
+def _compile_q8_0():
+    probe = tuple(np.zeros(shape, dtype) for shape, dtype in [((1, 32), np.float32), ((1, 32), np.int8)]) + (
+        np.zeros((1, 1), np.float32),
+        np.zeros((1, 1), np.float32),
+    )
+    return _compile(_q8_0_loops, probe, "the Q8_0 loops are off", "the lm_head uses its packed weight")
+
+
+Q8_0_CHUNK = 64  # output rows a parallel job makes
+
+
+def _q8_0_loops(x, q, d, out):
+    """out = x @ w.T, w = q * d by blocks of 32: x (rows, k) fp32, q (n, k) int8, d (n, k / 32) fp32, out (rows, n).
+    A weight row's products go to 32 partial sums, one per position in a block (SIMD lanes, summed once at the
+    row's end): a sum per block, or a row of weights made first, runs 4x slower."""
+    rows, k = x.shape
+    n = q.shape[0]
+    for job in prange((n + Q8_0_CHUNK - 1) // Q8_0_CHUNK):
+        partial = np.empty(Q8_0_BLOCK, np.float32)
+        for j in range(job * Q8_0_CHUNK, min(n, (job + 1) * Q8_0_CHUNK)):
+            for r in range(rows):
+                for i in range(Q8_0_BLOCK):
+                    partial[i] = 0.0
+                for b in range(k // Q8_0_BLOCK):
+                    scale = d[j, b]
+                    for i in range(Q8_0_BLOCK):
+                        partial[i] += (np.float32(q[j, b * Q8_0_BLOCK + i]) * scale) * x[r, b * Q8_0_BLOCK + i]
+                total = np.float32(0.0)
+                for i in range(Q8_0_BLOCK):
+                    total += partial[i]
+                out[r, j] = total
 
 
 def _agrees(got, want):

@@ -1828,6 +1828,7 @@ def gguf_config(meta, tensors):
 
 
 GGUF_Q4_1 = 3  # ggml's type number of Q4_1 (4-bit weights in blocks of 32, a scale and a minimum each)
+GGUF_Q8_0 = 8  # ggml's type number of Q8_0 (8-bit weights in blocks of 32, a scale each)
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -1850,7 +1851,8 @@ GGUF_NAMES = {
 def gguf_weights(meta, tensors, cfg, quantized=None):
     """A GGUF's weights dequantized to fp32 under HF's names (Llama 3's rope_freqs as is: load_model gives it to the
     rotary embedding). llama.cpp's converter interleaves the rotary halves of each head in a llama's q and k rows:
-    undone here. quantized: a dict, given, receives each Q4_1 tensor's (q, d, m) too (kernels.q4_1_parts)."""
+    undone here. quantized: a dict, given, receives each Q4_1 tensor's (q, d, m) too (kernels.q4_1_parts), and each
+    Q8_0 tensor's (q, d) (kernels.q8_0_parts)."""
     import gguf as gguf_lib
     import numpy as np
 
@@ -1862,8 +1864,9 @@ def gguf_weights(meta, tensors, cfg, quantized=None):
             values = (
                 values.copy() if np.may_share_memory(values, raw) else values
             )  # an F32 tensor is a view of the file: no parameter may live in its map
-            ws = [torch.from_numpy(values).reshape(shape)]  # the weight, and its Q4_1 parts where `quantized` asks
-            ws += list(kernels.q4_1_parts(raw, shape)) if quantized is not None and kind == GGUF_Q4_1 else []
+            ws = [torch.from_numpy(values).reshape(shape)]  # the weight, and its quantized parts where `quantized` asks
+            if quantized is not None and kind in (GGUF_Q4_1, GGUF_Q8_0):
+                ws += list((kernels.q4_1_parts if kind == GGUF_Q4_1 else kernels.q8_0_parts)(raw, shape))
             if meta["general.architecture"] == "llama" and part in ("attn_q", "attn_k"):
                 heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
                 ws = [w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape) for w in ws]
@@ -2314,17 +2317,22 @@ def freeze_gc_heap():
     atexit.register(gc.unfreeze)
 
 
-# ---- CPU 4-bit weights: a GGUF's Q4_1 tensors for small steps ----
+# ---- CPU 4-bit weights: a GGUF's Q4_1 (and Q8_0) tensors for small steps ----
 
 
 def attach_gguf_int4(model, quantized, cfg):
     """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
     copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
-    gate/up stacked as the bf16 weights are (merge_projections). The lm_head (a Q8_0 or tied embedding) stays."""
-    q, d, m = (merge_projections({name: parts[i] for name, parts in quantized.items()}, cfg) for i in range(3))
+    gate/up stacked as the model's weights are (merge_projections); a Q8_0 lm_head (or tied embedding) gets the
+    file's 8-bit copy (kernels.attach_q8_0, the same steps)."""
+    q4_1 = {name: parts for name, parts in quantized.items() if len(parts) == 3}  # (Q8_0's are (q, d))
+    q, d, m = (merge_projections({name: parts[i] for name, parts in q4_1.items()}, cfg) for i in range(3))
     for name, linear in model.named_modules():
         if name + ".weight" in q:
             kernels.attach_int4(linear, q[name + ".weight"], d[name + ".weight"], m[name + ".weight"])
+    head = quantized.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", ())
+    if len(head) == 2:
+        kernels.attach_q8_0(model.lm_head, *head)
 
 
 # ---- CPU threads: the cores other processes leave ----

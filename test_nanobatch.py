@@ -998,7 +998,7 @@ def test_gguf_reader_rejects_other_files(tmp_path):
 def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False):
     """An HF model as llama.cpp's converter writes it, in F32: its key and tensor names, a llama's q and k rows (and
     biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given.
-    q4_1: the layers' matrices quantized to Q4_1, as SmolLM2's file has them."""
+    q4_1: the layers' matrices quantized to Q4_1 and the embedding and lm_head to Q8_0, as SmolLM2's file has them."""
     import gguf
     import numpy as np
 
@@ -1040,8 +1040,8 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False):
                 .reshape(t.shape)
             )
         name = ("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}"
-        if q4_1 and layer is not None and t.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q4_1
+        if q4_1 and t.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q4_1 if layer is not None else gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(t))
@@ -1090,6 +1090,12 @@ def test_q4_1_parts_are_the_blocks_gguf_dequantizes():
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (6, 3)
     w = q.view(6, 3, 32).float() * d[..., None] + m[..., None]
     assert torch.equal(w.view(6, 96), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
+    kind = gguf.GGMLQuantizationType.Q8_0  # and kernels.q8_0_parts: q * d
+    raw = gguf.quants.quantize(values, kind)
+    q, d = kernels.q8_0_parts(raw, (6, 96))
+    assert q.dtype == torch.int8 and d.shape == (6, 3)
+    w = q.view(6, 3, 32).float() * d[..., None]
+    assert torch.equal(w.view(6, 96), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
 
 
 @pytest.mark.parametrize(
@@ -1102,8 +1108,9 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     """A GGUF's Q4_1 matrices loaded on a CPU in bf16 or fp32: every layer's linear gets a 4-bit copy (rows in HF's
     order, q/k/v and gate/up stacked as the model's weight: each column read through the int4 matmul is the model's
     weight's, within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows (an
-    fp32 model's rows rounded to bf16 for it, its output fp32); the lm_head stays as it is; greedy tokens equal
-    those of the same file without the copies (NANOBATCH_CPU_INT4=0)."""
+    fp32 model's rows rounded to bf16 for it, its output fp32); the Q8_0 lm_head (or tied embedding) the file's
+    8-bit copy (in fp32: the model's weights exactly); greedy tokens equal those of the same file without the
+    copies (NANOBATCH_CPU_INT4=0)."""
     model = (
         tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
     )
@@ -1114,13 +1121,14 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears[0].weight.is_mkldnn:  # the 4-bit copies join packed weights only
         pytest.skip(f"this CPU has no oneDNN {dtype} packing (pack_linears_cpu warned and kept F.linear)")
-    assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + ["PackedLinear"]
-    for linear in linears[:-1]:
+    assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + ["Q8Linear"]
+    for linear in linears:
         columns = torch.eye(linear.in_features, dtype=getattr(torch, dtype))
+        exact = dtype == "float32" and linear is linears[-1]  # the Q8_0 weights are the fp32 model's
         for rows in columns.split(kernels.INT4_MAX_ROWS):
             got, want = linear(rows), kernels.PackedLinear.forward(linear, rows)
             assert got.dtype == want.dtype == rows.dtype
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(got.float(), want.float(), **({} if exact else dict(rtol=2e-2, atol=2e-2)))
         many = torch.randn(kernels.INT4_MAX_ROWS + 1, linear.in_features).to(rows.dtype)
         assert torch.equal(linear(many), kernels.PackedLinear.forward(linear, many))  # more rows: the model's weights
     rng = random.Random(family)
@@ -4318,6 +4326,52 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
         torch.testing.assert_close(
             kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5
         )
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    heads=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
+    half=st.integers(1, 40),
+    scale=st.sampled_from([0.01, 1.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_fp32_small_op_loops_match_torch(tokens, heads, kv_heads, half, scale, seed):
+    """The same loops over fp32 (an fp32 model on a CPU): nothing rounded to bf16; the residual add and the K/V
+    store exact, RMSNorm, the rotary embedding and silu(gate) * up within a few fp32 ulps of torch's ops (other
+    orders of adds, fused multiply-adds, the polynomial exp), on the calling thread and in the parallel loops."""
+    if kernels.silu_and_mul_cpu(torch.ones(1, 2)) is None:
+        pytest.skip("no numba: the model uses the torch ops")
+    g = torch.Generator().manual_seed(seed)
+    dim = 2 * half
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * scale
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    angles = torch.randint(0, 5000, (tokens, 1), generator=g) * torch.rand(1, half, generator=g)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    want_q, want_k = kernels.rotary_ref(q, k, rope)
+    slots = torch.randperm(64, generator=g)[:tokens]
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5 * scale)
+    for c_work, min_work in ((kernels.ROTARY_C_WORK, kernels.LOOP_MIN_WORK), (0, 0)):  # the C calls; the loops
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kernels, "ROTARY_C_WORK", c_work)
+            m.setattr(kernels, "LOOP_MIN_WORK", min_work)
+            for got, want in zip(kernels.rotary_cpu(q, k, rope), (want_q, want_k)):
+                close(got, want)
+            k_cache, v_cache = (torch.zeros(4, 16, kv_heads, dim) for _ in range(2))
+            close(kernels.rotary_and_store(q, k, v, rope, k_cache, v_cache, slots), want_q)
+            close(k_cache.view(-1, kv_heads, dim)[slots], want_k)
+            assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v)
+            x = qkv[:, : heads * dim].contiguous()
+            residual, weight = torch.randn(x.shape, generator=g) * scale, torch.randn(x.shape[-1], generator=g)
+            want_norm, want_sum = kernels.rms_norm_ref(x, weight, 1e-6, residual.clone())
+            got_norm, got_sum = kernels.rms_norm_cpu(x, weight, 1e-6, residual)
+            assert got_sum is residual and torch.equal(got_sum, want_sum)
+            torch.testing.assert_close(got_norm, want_norm, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(kernels.rms_norm_cpu(x, weight, 1e-6), kernels.rms_norm_ref(x, weight, 1e-6))
+            close(
+                kernels.silu_and_mul_cpu(qkv[:, : 2 * half].contiguous()), kernels.silu_and_mul_ref(qkv[:, : 2 * half])
+            )
 
 
 def test_cpu_loops_give_the_same_results_on_the_calling_thread_and_on_all(monkeypatch):
