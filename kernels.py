@@ -2923,9 +2923,10 @@ def attach_int4(linear, q, d, m):
 
 
 # A GGUF's Q8_0 matrix (the default model's embedding, tied: its lm_head) is blocks of 32 int8 weights q and an fp16
-# scale d, w = q * d. A small step reads the lm_head's weights once: 113 MB in fp32, 57 in bf16, 32 as the file's
-# int8 values and fp32 scales. Q8Linear's compiled loops take those (q * d in fp32 is exactly the model's weight,
-# summed in another order) for calls of up to INT4_MAX_ROWS rows.
+# scale d, w = q * d. A small step reads the lm_head's weights once: 113 MB in fp32, 32 as the file's int8 values
+# and fp32 scales. For an fp32 model, Q8Linear's compiled loops take those (q * d in fp32 is exactly the model's
+# weight, summed in another order) for calls of up to INT4_MAX_ROWS rows. (A bf16 model's lm_head holds q * d
+# rounded to bf16, 57 MB: the file's values would change its logits by that rounding.)
 
 Q8_0_BLOCK = 32
 
@@ -2953,9 +2954,11 @@ class Q8Linear(PackedLinear):
 
 
 def attach_q8_0(linear, q, d):
-    """Give a bf16 or fp32 PackedLinear the file's 8-bit copy of its weight, q (out, in) int8 and d (out, in / 32)
-    fp32, where the loops compile; returns whether it did."""
-    if not USE_CPU_INT4 or type(linear) is not PackedLinear or _compile_q8_0() is None:
+    """Give an fp32 PackedLinear the file's 8-bit copy of its weight, q (out, in) int8 and d (out, in / 32) fp32,
+    where the loops compile; returns whether it did."""
+    if not USE_CPU_INT4 or type(linear) is not PackedLinear or linear.weight.dtype != torch.float32:
+        return False
+    if _compile_q8_0() is None:
         return False
     linear.q8, linear.q8_scales = q.contiguous(), d.contiguous()
     linear.__class__ = Q8Linear

@@ -821,7 +821,7 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         else AutoTokenizer.from_pretrained(tokenizer_path)
     )
     on_cpu = torch.device(device).type == "cpu" and dtype != torch.float16 and tp is None and kernels.USE_CPU_INT4
-    quantized = {} if gguf and on_cpu else None  # hook (CPU 4-bit weights): a GGUF's Q4_1 tensors, as they are
+    quantized = {} if gguf and on_cpu else None  # hook (CPU 4-bit weights): a GGUF's Q4_1/Q8_0 tensors as they are
     state = gguf_weights(*gguf, cfg, quantized) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop(
         "rope_freqs.weight", None
@@ -2323,8 +2323,8 @@ def freeze_gc_heap():
 def attach_gguf_int4(model, quantized, cfg):
     """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
     copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
-    gate/up stacked as the model's weights are (merge_projections); a Q8_0 lm_head (or tied embedding) gets the
-    file's 8-bit copy (kernels.attach_q8_0, the same steps)."""
+    gate/up stacked as the model's weights are (merge_projections); in fp32 a Q8_0 lm_head (or tied embedding)
+    gets the file's 8-bit copy (kernels.attach_q8_0, the same steps)."""
     q4_1 = {name: parts for name, parts in quantized.items() if len(parts) == 3}  # (Q8_0's are (q, d))
     q, d, m = (merge_projections({name: parts[i] for name, parts in q4_1.items()}, cfg) for i in range(3))
     for name, linear in model.named_modules():

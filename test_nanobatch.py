@@ -995,10 +995,11 @@ def test_gguf_reader_rejects_other_files(tmp_path):
         LLM(model=str(fake))
 
 
-def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False):
+def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False, q8_0=False):
     """An HF model as llama.cpp's converter writes it, in F32: its key and tensor names, a llama's q and k rows (and
     biases) with each head's rotary halves interleaved, no output.weight where tied; meta and tensors added as given.
-    q4_1: the layers' matrices quantized to Q4_1 and the embedding and lm_head to Q8_0, as SmolLM2's file has them."""
+    q4_1: the layers' matrices quantized to Q4_1, as SmolLM2's file has them; q8_0: its embedding (and lm_head) to
+    Q8_0, as SmolLM2's."""
     import gguf
     import numpy as np
 
@@ -1040,7 +1041,7 @@ def write_gguf(path, model, arch="llama", meta=(), tensors=(), q4_1=False):
                 .reshape(t.shape)
             )
         name = ("" if layer is None else f"blk.{layer}.") + f"{to_gguf[part]}.{suffix}"
-        if q4_1 and t.ndim == 2:
+        if t.ndim == 2 and (q4_1 if layer is not None else q8_0):
             kind = gguf.GGMLQuantizationType.Q4_1 if layer is not None else gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), kind), raw_dtype=kind)
         else:
@@ -1108,23 +1109,24 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     """A GGUF's Q4_1 matrices loaded on a CPU in bf16 or fp32: every layer's linear gets a 4-bit copy (rows in HF's
     order, q/k/v and gate/up stacked as the model's weight: each column read through the int4 matmul is the model's
     weight's, within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows (an
-    fp32 model's rows rounded to bf16 for it, its output fp32); the Q8_0 lm_head (or tied embedding) the file's
-    8-bit copy (in fp32: the model's weights exactly); greedy tokens equal those of the same file without the
-    copies (NANOBATCH_CPU_INT4=0)."""
+    fp32 model's rows rounded to bf16 for it, its output fp32); in fp32 the Q8_0 lm_head (or tied embedding) the
+    file's 8-bit copy (the model's weights exactly); greedy tokens equal those of the same file without the copies
+    (NANOBATCH_CPU_INT4=0)."""
     model = (
         tiny_models[family][1] if family in tiny_models else make_tiny_model(str(tmp_path), family, default_tokenizer)
     )
-    path = write_gguf(tmp_path / "tiny-q4_1.gguf", model, q4_1=True)
+    path = write_gguf(tmp_path / "tiny-q4_1.gguf", model, q4_1=True, q8_0=dtype == "float32")
     monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
     llm = LLM(model=path, num_kv_blocks=64, device="cpu", dtype=dtype)
     cfg = llm.model_config
     linears = [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears[0].weight.is_mkldnn:  # the 4-bit copies join packed weights only
         pytest.skip(f"this CPU has no oneDNN {dtype} packing (pack_linears_cpu warned and kept F.linear)")
-    assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + ["Q8Linear"]
+    head = "Q8Linear" if dtype == "float32" else "PackedLinear"
+    assert [type(m).__name__ for m in linears] == ["Int4Linear"] * 4 * cfg.num_layers + [head]
     for linear in linears:
         columns = torch.eye(linear.in_features, dtype=getattr(torch, dtype))
-        exact = dtype == "float32" and linear is linears[-1]  # the Q8_0 weights are the fp32 model's
+        exact = linear is linears[-1]  # the Q8_0 weights are the fp32 model's (in bf16: the same packed weights)
         for rows in columns.split(kernels.INT4_MAX_ROWS):
             got, want = linear(rows), kernels.PackedLinear.forward(linear, rows)
             assert got.dtype == want.dtype == rows.dtype
