@@ -1215,16 +1215,18 @@ def test_tiny_models_match_hf_transformers(tiny_models, family):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24), f"{family}, prompt of {len(prompt)} tokens"
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+SMALL_OPS = dict(  # the small ops' loop tests: tokens, heads of 2 * half, their values' scale
     tokens=st.integers(1, 40),
     heads=st.integers(1, 5),
     kv_heads=st.integers(1, 3),
     half=st.integers(1, 40),
     scale=st.sampled_from([0.01, 1.0, 50.0]),
-    special=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**SMALL_OPS, special=st.booleans())
 def test_cpu_bf16_rms_norm_and_rotary_loops_match_torch(tokens, heads, kv_heads, half, scale, special, seed):
     """The compiled bf16 loops against the torch ops they replace: the rotary embedding of q and k (strided views of
     one qkv output, as the model's) bit for bit (torch's roundings to bf16, done where torch does them), and with the
@@ -4331,14 +4333,7 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
 
 
 @settings(max_examples=15, deadline=None)
-@given(
-    tokens=st.integers(1, 40),
-    heads=st.integers(1, 5),
-    kv_heads=st.integers(1, 3),
-    half=st.integers(1, 40),
-    scale=st.sampled_from([0.01, 1.0, 50.0]),
-    seed=st.integers(0, 2**16),
-)
+@given(**SMALL_OPS)
 def test_cpu_fp32_small_op_loops_match_torch(tokens, heads, kv_heads, half, scale, seed):
     """The same loops over fp32 (an fp32 model on a CPU): nothing rounded to bf16; the residual add and the K/V
     store exact, RMSNorm, the rotary embedding and silu(gate) * up within a few fp32 ulps of torch's ops (other
