@@ -2949,8 +2949,7 @@ class Q8Linear(PackedLinear):
         _compile_q8_0()(
             rows.numel() * self.out_features, rows.numpy(), self.q8.numpy(), self.q8_scales.numpy(), out.numpy()
         )
-        y = out.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return out if self.bias is None else out + self.bias
 
 
 def attach_q8_0(linear, q, d):
@@ -2958,7 +2957,7 @@ def attach_q8_0(linear, q, d):
     where the loops compile; returns whether it did."""
     if not USE_CPU_INT4 or type(linear) is not PackedLinear or linear.weight.dtype != torch.float32:
         return False
-    if _compile_q8_0() is None:
+    if _compile_q8_0() is None:  # (numba missing, or it cannot compile the loops: a warning said why)
         return False
     linear.q8, linear.q8_scales = q.contiguous(), d.contiguous()
     linear.__class__ = Q8Linear
@@ -2967,10 +2966,8 @@ def attach_q8_0(linear, q, d):
 
 @functools.cache
 def _compile_q8_0():
-    probe = tuple(np.zeros(shape, dtype) for shape, dtype in [((1, 32), np.float32), ((1, 32), np.int8)]) + (
-        np.zeros((1, 1), np.float32),
-        np.zeros((1, 1), np.float32),
-    )
+    x, q = np.zeros((1, Q8_0_BLOCK), np.float32), np.zeros((1, Q8_0_BLOCK), np.int8)  # one row, one block
+    probe = (x, q, np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))  # + its scale, the output
     return _compile(_q8_0_loops, probe, "the Q8_0 loops are off", "the lm_head uses its packed weight")
 
 
