@@ -169,7 +169,7 @@ WORKLOAD_SYSTEMS = {  # the systems each workload can run (--systems picks among
 }
 # the flags that only some workloads read: given to another workload, they are an error (not silently ignored)
 WORKLOAD_FLAGS = {
-    "random": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "roofline", "plot"),
+    "random": ("min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len", "roofline", "plot", "rounds"),
     "shared-prefix": (
         "min_prompt_len",
         "max_prompt_len",
@@ -178,6 +178,7 @@ WORKLOAD_FLAGS = {
         "prefix_len",
         "roofline",
         "plot",
+        "rounds",
     ),
     "structured": (
         "max_output_len",
@@ -191,6 +192,7 @@ WORKLOAD_FLAGS = {
         "beam_width",
         "roofline",
         "plot",
+        "rounds",
     ),  # every beam runs to max_output_len
     "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
     "served": ("max_prompt_len", "max_output_len", "max_concurrency", "client_runs"),  # every prompt, output that long
@@ -2739,6 +2741,12 @@ def build_arg_parser():
         help="the python of a virtual environment with llama-cpp-python installed: runs the llamacpp system "
         "(a .gguf --model, on the CPU)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="run the systems this many times in turn (A B C, A B C, ...: a slow spell of a shared machine falls on "
+        "every system) and show each one's median round (default 1)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart of the table (needs matplotlib)")
     return p
@@ -2792,6 +2800,8 @@ def check_ranges(args):
             raise ValueError(f"{flag(hi)} must be >= 1")
     if args.num_requests < 1 or args.max_num_seqs < 1 or args.prefix_len < 0:
         raise ValueError("--num-requests and --max-num-seqs must be >= 1, --prefix-len >= 0")
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
     if args.workload == "served" and (args.max_concurrency < 1 or args.client_runs < 1):
         raise ValueError("--max-concurrency and --client-runs must be >= 1")
     if args.workload == "beam" and not 1 <= args.beam_width <= args.max_num_seqs:
@@ -2858,6 +2868,53 @@ def resolve_args(args):
     return torch.device(device)
 
 
+def run_round(args, model_path, device):
+    """Every system of --systems once, in the table's order -> (results, extra, details, workload, reference)."""
+    results, runs, extra, details, workload = [], [], {}, [], None
+    if any(s.startswith("nanobatch") for s in args.systems):
+        workload, details = run_engine_systems(args, model_path, device, results, runs, extra)
+    if any(s.startswith("hf-") for s in args.systems):
+        workload = run_hf_systems(args, model_path, device, workload, results, runs)
+    if "vllm" in args.systems:
+        workload = run_vllm(args, model_path, workload, device, results, runs)
+    if "llamacpp" in args.systems:
+        workload = run_llamacpp(args, model_path, workload, device, results, runs)
+    if not runs:
+        print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
+        raise ValueError("no system ran (each one's reason is above)")
+    return results, extra, details, workload, mark_same_outputs([r for r in results if not r.skipped], runs)
+
+
+def median_round(rounds):
+    """Each system's median round (by output tok/s; of an even count, the slower middle one), and the details
+    and extra of the round that is the first system's median. One round: itself. (Every round runs the same
+    workload: it is made from the same seed.)"""
+    if len(rounds) == 1:
+        return rounds[0]
+    results = []
+    for j, first in enumerate(rounds[0][0]):
+        ran = sorted((r[0][j] for r in rounds if r[0][j].seconds), key=lambda r: r.output_tokens_per_s)
+        results.append(ran[(len(ran) - 1) // 2] if ran else first)
+    lead = next(i for i, r in enumerate(rounds) if r[0][0] is results[0])
+    _, extra, details, workload, reference = rounds[lead]
+    extra["rounds"] = [[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in rs] for rs, *_ in rounds]
+    return results, extra, [f"details: round {lead + 1}, nanobatch's median", *details], workload, reference
+
+
+def format_rounds(rounds):
+    """Each system's output tok/s in every round, and its ratio to the first system's in the same round."""
+    lines = [f"rounds (output tok/s in run order; the table shows each system's median round): {len(rounds)}"]
+    for j, first in enumerate(rounds[0][0]):
+        speeds = [r[0][j].output_tokens_per_s for r in rounds]
+        line = f"  {first.name:<24} " + " ".join("-" if v is None else f"{v:.1f}" for v in speeds)
+        if j > 0:
+            lead = [r[0][0].output_tokens_per_s for r in rounds]
+            ratios = [f"{a / v:.2f}x" for a, v in zip(lead, speeds) if a and v]
+            line += f"   {rounds[0][0][0].name} / {first.name} by round: {' '.join(ratios)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(args):
     check_paths(args)
     if args.launches:
@@ -2879,19 +2936,12 @@ def main(args):
     if args.workload == "served":
         return run_served(args, model_path)
     machine = machine_info()
-    results, runs, extra, details, workload = [], [], {}, [], None
-    if any(s.startswith("nanobatch") for s in args.systems):
-        workload, details = run_engine_systems(args, model_path, device, results, runs, extra)
-    if any(s.startswith("hf-") for s in args.systems):
-        workload = run_hf_systems(args, model_path, device, workload, results, runs)
-    if "vllm" in args.systems:
-        workload = run_vllm(args, model_path, workload, device, results, runs)
-    if "llamacpp" in args.systems:
-        workload = run_llamacpp(args, model_path, workload, device, results, runs)
-    if not runs:
-        print("\n".join(f"{r.name}: skipped: {r.skipped}" for r in results))
-        raise ValueError("no system ran (each one's reason is above)")
-    reference = mark_same_outputs([r for r in results if not r.skipped], runs)
+    rounds = []
+    for i in range(args.rounds or 1):
+        if args.rounds:
+            print(f"[round {i + 1} of {args.rounds}]", file=sys.stderr, flush=True)
+        rounds.append(run_round(args, model_path, device))
+    results, extra, details, workload, reference = median_round(rounds)
 
     print(
         f"\nmachine: {machine['gpu'] or machine['cpu']}, {machine['cpu_cores']} CPU cores, "
@@ -2910,6 +2960,8 @@ def main(args):
         + "\n"
     )
     print(format_table(results, workload, reference="nanobatch-beam" if args.workload == "beam" else "nanobatch"))
+    if len(rounds) > 1:
+        print(format_rounds(rounds))
     print(format_load(results))
     if reference:
         extra["same_out_reference"] = reference

@@ -6480,6 +6480,8 @@ def bench_cli(capsys, *argv):
             "--max-concurrency and --client-runs must be >= 1",
         ),
         (["--client-runs", "2"], "--client-runs does not apply to --workload random"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--workload", "host", "--rounds", "2"], "--rounds does not apply to --workload host"),
         (
             ["--llamacpp-python", "/no/such/python", "--systems", "llamacpp"],
             "--llamacpp-python /no/such/python is not an executable file",
@@ -6636,6 +6638,27 @@ def test_bench_same_out_compares_with_the_first_greedy_system():
     ]
     beam = bench.beam_workload(100, 4, 2, 3, 5, 8).describe()  # its output lengths count every beam's tokens
     assert (beam["beam_width"], beam["max_tokens"], "output_len" in beam) == (4, 8, False)
+
+
+def test_bench_rounds_show_each_systems_median_round():
+    """--rounds N: the table takes each system's median round (the slower middle one of an even count), the details
+    come from the first system's median round, and a line gives every round's figures and ratios."""
+    import bench
+
+    def round_of(a, b, label):
+        results = [bench.SystemResult("nanobatch", 1.0, a), bench.SystemResult("vllm", 1.0, b)]
+        return results, {}, [label], "workload", "nanobatch"
+
+    rounds = [round_of(10, 20, "r1"), round_of(30, 10, "r2"), round_of(20, 40, "r3")]
+    results, extra, details, workload, reference = bench.median_round(rounds)
+    assert [r.output_tokens_per_s for r in results] == [20, 20] and results[0] is rounds[2][0][0]
+    assert details == ["details: round 3, nanobatch's median", "r3"] and len(extra["rounds"]) == 3
+    assert extra["rounds"][1][0]["output_tokens_per_s"] == 30
+    lines = bench.format_rounds(rounds).splitlines()
+    assert lines[1].split() == ["nanobatch", "10.0", "30.0", "20.0"]
+    assert lines[2].split()[:4] == ["vllm", "20.0", "10.0", "40.0"] and lines[2].endswith("0.50x 3.00x 0.50x")
+    assert bench.median_round(rounds[:2])[0][0] is rounds[0][0][0]  # of two, the slower
+    assert bench.median_round(rounds[:1]) == rounds[0]
 
 
 def test_bench_latencies_are_seconds_from_the_runs_start(tiny_llm, monkeypatch):
