@@ -1861,6 +1861,7 @@ _LOOP_HELPERS = (
     "_rotate_head",
     "_rms_norm_row",
     "_rotary_token",
+    "_silu_and_mul_row",
 )
 
 
@@ -2535,12 +2536,21 @@ def silu_and_mul_cpu(gate_up):
     then the product rounded; fp32 rows within its rounding), or None where the loops do not run."""
     if not _loops_apply(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         return None
-    loops = _compile_elementwise(_silu_and_mul_loops)
-    if loops is None:
+    one_thread = _silu_and_mul_c(gate_up.dtype) if gate_up.numel() < LOOP_MIN_WORK else None
+    loops = _compile_elementwise(_silu_and_mul_loops) if one_thread is None else None
+    if one_thread is None and loops is None:
         return None
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    loops(gate_up.numel(), _elements(gate_up), _elements(out))
+    if one_thread is not None:  # a decode step's few rows: one C call on the data pointers
+        one_thread(gate_up.data_ptr(), out.data_ptr(), *out.shape)
+    else:
+        loops(gate_up.numel(), _elements(gate_up), _elements(out))
     return out
+
+
+@functools.cache
+def _silu_and_mul_c(dtype):
+    return _c_function(_silu_and_mul_pointers, *[ELEMENTS[dtype] + "*"] * 2, "int64", "int64")
 
 
 ELEMENTS = {torch.bfloat16: "int16", torch.float32: "float32"}  # the small ops' loops: dtype -> their element type
@@ -2657,13 +2667,23 @@ def _silu_and_mul_loops(gate_up, out):
     """gate_up (T, 2 * I), out (T, I): bf16 bits (or fp32). silu(g) = g / (1 + exp(-g)) in fp32 rounded to bf16,
     times up, rounded: torch's two ops (its exp and this one agree to fp32's last bits, which bf16 rounds away; in
     fp32, within a few of them). Infinities and NaNs as torch: silu(-inf) is NaN, silu(inf) inf."""
-    n = out.shape[1]
     for i in prange(gate_up.shape[0]):
-        like = gate_up[i, 0]
-        for d in range(n):
-            g = _load(gate_up[i, d])
-            silu = _round_as(g / (np.float32(1.0) + _exp(-g)), like)
-            out[i, d] = _to(silu * _load(gate_up[i, n + d]), like)
+        _silu_and_mul_row(gate_up[i], out[i])
+
+
+def _silu_and_mul_pointers(gate_up, out, rows, n):
+    """_silu_and_mul_loops on the calling thread, over data pointers (as _rms_norm_pointers): out (rows, n)."""
+    gate_up, out = carray(gate_up, (rows, 2 * n)), carray(out, (rows, n))
+    for i in range(rows):
+        _silu_and_mul_row(gate_up[i], out[i])
+
+
+def _silu_and_mul_row(gate_up, out):
+    n, like = len(out), gate_up[0]
+    for d in range(n):
+        g = _load(gate_up[d])
+        silu = _round_as(g / (np.float32(1.0) + _exp(-g)), like)
+        out[d] = _to(silu * _load(gate_up[n + d]), like)
 
 
 def _rms_norm_loops(x, residual, weight, out, eps):
