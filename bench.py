@@ -2898,7 +2898,7 @@ def median_round(rounds):
     lead = next(i for i, r in enumerate(rounds) if r[0][0] is results[0])
     _, extra, details, workload, reference = rounds[lead]
     extra["rounds"] = [[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in rs] for rs, *_ in rounds]
-    return results, extra, [f"details: round {lead + 1}, nanobatch's median", *details], workload, reference
+    return results, extra, [f"details: round {lead + 1}, {results[0].name}'s median", *details], workload, reference
 
 
 def format_rounds(rounds):
