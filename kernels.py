@@ -2536,15 +2536,15 @@ def silu_and_mul_cpu(gate_up):
     then the product rounded; fp32 rows within its rounding), or None where the loops do not run."""
     if not _loops_apply(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         return None
-    one_thread = _silu_and_mul_c(gate_up.dtype) if gate_up.numel() < LOOP_MIN_WORK else None
-    loops = _compile_elementwise(_silu_and_mul_loops) if one_thread is None else None
-    if one_thread is None and loops is None:
-        return None
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    one_thread = _silu_and_mul_c(gate_up.dtype) if gate_up.numel() < LOOP_MIN_WORK else None
     if one_thread is not None:  # a decode step's few rows: one C call on the data pointers
         one_thread(gate_up.data_ptr(), out.data_ptr(), *out.shape)
-    else:
-        loops(gate_up.numel(), _elements(gate_up), _elements(out))
+        return out
+    loops = _compile_elementwise(_silu_and_mul_loops)
+    if loops is None:
+        return None
+    loops(gate_up.numel(), _elements(gate_up), _elements(out))
     return out
 
 
