@@ -1607,6 +1607,9 @@ def _numba():
     global BF16_DOT, _bf16_dot, _bf16_add_pair
     BF16_DOT = _bf16_dot_on_this_cpu()
     _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
+    global AVX2_Q4_1, _q4_1_dot
+    AVX2_Q4_1 = _avx2_on_this_cpu()
+    _q4_1_dot = _q4_1_dot_intrinsic()
     global AMX_PREFILL, _tile_config, _tile_load, _tile_store, _tile_dot, _tile_zero, _tile_release
     AMX_PREFILL = _amx_on_this_cpu()
     _tile_config, _tile_load, _tile_store, _tile_dot, _tile_zero, _tile_release = _amx_intrinsics()
@@ -1639,7 +1642,7 @@ def _compile(loops, probe, what, fallback):
         if getattr(_threads_set, "n", None) != threads:  # (numba's setter costs ~15 us a call inside a step)
             numba.set_num_threads(threads)  # per calling thread
             _threads_set.n = threads
-        compiled(*args)
+        return compiled(*args)
 
     return run
 
@@ -1843,6 +1846,81 @@ def _bit_cast_intrinsics():
         return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
 
     return as_f32, as_u32
+
+
+def _avx2_on_this_cpu():
+    """Whether numba compiles for this machine's CPU (its default) and that CPU has AVX2 and FMA."""
+    import numba
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    return not numba.config.CPU_NAME and bool(features.get("avx2") and features.get("fma"))
+
+
+@functools.cache
+def _q4_1_dot_intrinsic():
+    """_q4_1_dot(nibbles, i, d, j, x, k, scales, l, blocks) as numba compiles it, with AVX2's integer products:
+    sum over blocks b of d[j + b] * scales[l + b] * (q . x) over block b's 32 weights q (the 16 bytes at nibbles[i +
+    16 b], low nibbles its weights 0-15, high ones 16-31, as a GGUF's Q4_1 block) and 32 int16 activations x[k +
+    32 b ...]. q . x in two vpmaddwd (16-bit products, summed in pairs into 8 int32 lanes: exact), then in fp32,
+    times the block's two scales, into 8 fp32 lanes (FMA). Only where AVX2_Q4_1 (else never called: 0)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    i16, i32, i64, f32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    lanes, halves, nibbles = ir.VectorType(f32, 8), ir.VectorType(i16, 16), ir.VectorType(ir.IntType(8), 16)
+
+    def function(builder, name, result, arguments):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
+
+    @intrinsic
+    def dot(typingctx, q, i, d, j, x, k, scales, l, blocks):
+        def codegen(context, builder, sig, args):
+            if not AVX2_Q4_1:
+                return f32(0.0)
+            pmaddwd = function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), [halves, halves])
+            fma = function(builder, "llvm.fma.v8f32", lanes, [lanes] * 3)
+
+            def block(b, sums):  # sums += block b's 8 lanes of products, times its two scales
+                packed = builder.add(args[1], builder.mul(b, i64(16)))
+                packed = builder.load(_element_pointer(context, builder, sig, args, 0, packed, nibbles), align=1)
+                packed = builder.zext(packed, halves)  # a byte a lane: its low nibble, its high one
+                low = builder.and_(packed, ir.Constant(halves, [15] * 16))  # weights 0-15
+                high = builder.lshr(packed, ir.Constant(halves, [4] * 16))  # weights 16-31
+                at = builder.add(args[5], builder.mul(b, i64(32)))
+                products = []
+                for w, start in ((low, at), (high, builder.add(at, i64(16)))):
+                    xs = builder.load(_element_pointer(context, builder, sig, args, 4, start, halves), align=2)
+                    products.append(builder.call(pmaddwd, [w, xs]))
+                scale = [
+                    builder.load(_element_pointer(context, builder, sig, args, a, builder.add(args[a + 1], b), f32))
+                    for a in (2, 6)
+                ]
+                scale = builder.insert_element(ir.Constant(lanes, None), builder.fmul(*scale), i32(0))
+                scale = builder.shuffle_vector(scale, scale, ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+                total = builder.sitofp(builder.add(*products), lanes)
+                builder.store(builder.call(fma, [total, scale, builder.load(sums)]), sums)
+
+            # two sums, even and odd blocks: each FMA waits for the one before it in its own chain only
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(2)]
+            with cgutils.for_range(builder, builder.lshr(args[8], i64(1))) as loop:
+                for half in range(2):
+                    block(builder.add(builder.shl(loop.index, i64(1)), i64(half)), sums[half])
+            with builder.if_then(builder.trunc(args[8], ir.IntType(1))):  # an odd count's last block
+                block(builder.sub(args[8], i64(1)), sums[0])
+            reduce = function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, lanes])
+            both = builder.fadd(builder.load(sums[0]), builder.load(sums[1]))
+            return builder.call(reduce, [f32(-0.0), both], fastmath=("reassoc",))
+
+        return types.float32(q, types.intp, d, types.intp, x, types.intp, scales, types.intp, types.intp), codegen
+
+    return dot
+
+
+AVX2_Q4_1 = False  # whether the Q4_1 loops run on this CPU (_q4_1_dot_intrinsic): set by _numba()
+_q4_1_dot = None
 
 
 # Plain functions until _compile makes them numba functions. They must stay in this file: numba's
@@ -2896,10 +2974,13 @@ def pack_linears_cpu(model):
 # ---- The CPU path: a GGUF's 4-bit weights, for small batches ----
 # A decode step of a few sequences reads every weight once per step: its matmuls run at the memory's speed, and
 # a weight in 4 bits is a quarter of the bytes of bf16, an eighth of fp32's. A GGUF's Q4_1 blocks (32 weights:
-# 4-bit q, a scale d and a minimum m, w = q * d + m) fit torch's int4 CPU matmul, which computes
-# (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each stored as bf16 beside bf16 activations (its fast form;
-# an fp32 model's rows are rounded to bf16 for it). Only up to INT4_MAX_ROWS rows: from there on oneDNN's packed
-# matmul, whose work per weight read is cheaper, is faster.
+# 4-bit q, a scale d and a minimum m, w = q * d + m) are kept as the file has them (d and m in fp32, exactly), and
+# x . w of a block = d * (q . x) + m * sum(x). With AVX2 (_q4_1_loops), x in 16-bit integers by blocks of 32 (a
+# scale each: the block's largest |x| is 32767) and q . x in integers, as llama.cpp does in 8 bits: 16 keep each x
+# within 1 / 65534 of its block's largest, far inside the bf16 rounding of the other path. Without AVX2 or numba,
+# torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each stored as bf16
+# beside bf16 activations (its fast form; an fp32 model's rows are rounded to bf16 for it). Only up to
+# INT4_MAX_ROWS rows: from there on oneDNN's packed matmul, whose work per weight read is cheaper, is faster.
 
 INT4_MAX_ROWS = 8
 Q4_1_BLOCK = 32
@@ -2916,30 +2997,84 @@ def q4_1_parts(raw, shape):
 
 
 class Int4Linear(PackedLinear):
-    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows.
-    The int4 matmul is fast with bf16 activations only: an fp32 model's rows are rounded to bf16 for it."""
+    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows:
+    the file's blocks for _q4_1_loops (.q4_1: nibbles, d, m), else torch's int4 layout (.int4)."""
 
     def forward(self, x):
         if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
             return super().forward(x)
-        rows = x.to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.int4, Q4_1_BLOCK, self.int4_scales).to(x.dtype)
+        if self.q4_1 is not None:  # (numpy arrays: a tensor's .numpy() costs ~2 us a call)
+            rows = x.float().contiguous().numpy()
+            y = torch.from_numpy(_compile_q4_1()(rows.size * self.out_features, rows, *self.q4_1))
+        else:
+            rows = x.to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.int4, Q4_1_BLOCK, self.int4_scales)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
 def attach_int4(linear, q, d, m):
     """Give a bf16 or fp32 PackedLinear the 4-bit copy of its weight, from q (out, in) in 0..15 and d, m
-    (out, in / 32) fp32, if this torch has the int4 CPU matmul; returns whether it did."""
+    (out, in / 32) fp32: the file's blocks where the AVX2 loops compile, else torch's int4 layout if this torch has
+    the int4 CPU matmul; returns whether it did."""
     if not USE_CPU_INT4 or type(linear) is not PackedLinear:  # (packed: bf16 or fp32)
         return False
-    try:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    except (AttributeError, RuntimeError):
-        return False
-    linear.int4 = packed
-    linear.int4_scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (in/32, out, 2)
+    if _compile_q4_1() is not None and AVX2_Q4_1:
+        blocks = q.view(q.shape[0], -1, Q4_1_BLOCK).to(torch.uint8)
+        nibbles = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(q.shape[0], -1)  # (out, in / 2)
+        linear.q4_1 = tuple(t.contiguous().numpy() for t in (nibbles, d.float(), m.float()))
+    else:
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        except (AttributeError, RuntimeError):
+            return False
+        linear.q4_1, linear.int4 = None, packed
+        linear.int4_scales = (
+            torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        )  # (in/32, out, 2)
     linear.__class__ = Int4Linear
     return True
+
+
+@functools.cache
+def _compile_q4_1():
+    x, q, d = np.zeros((1, Q4_1_BLOCK), np.float32), np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.float32)
+    probe = (x, q, d, d)  # one row, one block, its scale and minimum
+    return _compile(_q4_1_loops, probe, "the Q4_1 loops are off", "the 4-bit weights use torch's int4 matmul")
+
+
+Q4_1_CHUNK = 16  # output rows a parallel job makes
+
+
+def _q4_1_loops(x, nibbles, d, m):
+    """x @ w.T, w = q * d + m by blocks of 32: x (rows, k) fp32, nibbles (n, k / 2) uint8 (q, as the file's Q4_1
+    blocks), d and m (n, k / 32) fp32 -> (rows, n) fp32. x first in int16 by blocks (_q4_1_dot's products);
+    m * sum(x) in fp32."""
+    rows, k = x.shape
+    n, blocks = nibbles.shape[0], k // Q4_1_BLOCK
+    out = np.empty((rows, n), np.float32)
+    xq, scales, sums = (
+        np.empty((rows, k), np.int16),
+        np.empty((rows, blocks), np.float32),
+        np.empty((rows, blocks), np.float32),
+    )
+    for r in range(rows):
+        for b in range(blocks):
+            largest, total = np.float32(0.0), np.float32(0.0)
+            for i in range(b * Q4_1_BLOCK, (b + 1) * Q4_1_BLOCK):
+                largest, total = max(largest, abs(x[r, i])), total + x[r, i]
+            scales[r, b], sums[r, b] = largest / np.float32(32767.0), total  # (inf or NaN: the sums carry it)
+            inverse = np.float32(32767.0) / largest if largest > 0 else np.float32(0.0)
+            for i in range(b * Q4_1_BLOCK, (b + 1) * Q4_1_BLOCK):
+                xq[r, i] = np.int16(np.round(x[r, i] * inverse))
+    for job in prange((n + Q4_1_CHUNK - 1) // Q4_1_CHUNK):
+        for j in range(job * Q4_1_CHUNK, min(n, (job + 1) * Q4_1_CHUNK)):
+            for r in range(rows):
+                total = _q4_1_dot(nibbles, j * blocks * 16, d, j * blocks, xq, r * k, scales, r * blocks, blocks)
+                for b in range(blocks):
+                    total += m[j, b] * sums[r, b]
+                out[r, j] = total
+    return out
 
 
 # A GGUF's Q8_0 matrix (the default model's embedding, tied: its lm_head) is blocks of 32 int8 weights q and an fp16

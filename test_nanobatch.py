@@ -1127,6 +1127,7 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     for linear in linears:
         columns = torch.eye(linear.in_features, dtype=getattr(torch, dtype))
         exact = linear is linears[-1]  # the Q8_0 weights are the fp32 model's (in bf16: the same packed weights)
+        exact |= dtype == "float32" and getattr(linear, "q4_1", None) is not None  # (the AVX2 loops: fp32 sums)
         for rows in columns.split(kernels.INT4_MAX_ROWS):
             got, want = linear(rows), kernels.PackedLinear.forward(linear, rows)
             assert got.dtype == want.dtype == rows.dtype
@@ -1145,6 +1146,36 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
     assert all(type(m) is kernels.PackedLinear for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [t[:5] for t in got] == [t[:5] for t in want]  # (then bf16 near-ties may part them)
+
+
+@pytest.mark.parametrize("rows, k, seed", [(1, 64, 0), (3, 576, 1), (8, 1536, 2)])
+def test_the_avx2_q4_1_loops_are_the_dequantized_matmul_within_16_bit_rounding(rows, k, seed):
+    """Where numba compiles for a CPU with AVX2, an Int4Linear's small calls take _q4_1_loops (the file's nibbles,
+    activations in int16 by blocks of 32): each output within the rounding of that int16 step (half a step, 1 /
+    65534 of the block's largest |x|, per weight) of the fp64 matmul with the dequantized weights; a non-finite
+    activation makes its row non-finite, as the matmul's would."""
+    torch.manual_seed(seed)
+    n = 40
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d, m = torch.rand(n, k // 32) * 0.02, torch.randn(n, k // 32) * 0.05
+    w = (q.view(n, -1, 32) * d[..., None] + m[..., None]).view(n, k)
+    linear = torch.nn.Linear(k, n, bias=False)
+    linear.weight.data = w.clone()
+    kernels.pack_linears_cpu(torch.nn.Sequential(linear))
+    if not (type(linear) is kernels.PackedLinear and kernels.attach_int4(linear, q, d, m) and linear.q4_1 is not None):
+        pytest.skip("numba is not installed, or this CPU has no AVX2 (torch's int4 matmul instead)")
+    x = torch.randn(rows, k) * torch.rand(rows, k) * 10  # a spread of magnitudes within blocks
+    want = x.double() @ w.double().T
+    step = x.view(rows, -1, 32).abs().amax(-1).double() / 32767  # (rows, blocks)
+    bound = (step.repeat_interleave(32, dim=1) / 2) @ w.double().abs().T + 1e-5 * (
+        x.double().abs() @ w.double().abs().T
+    )
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= bound).all()
+    assert (got.double() - want).abs().max() < (x.bfloat16().double() @ w.double().T - want).abs().max()  # < bf16's
+    x[-1, k // 2] = float("nan")
+    assert not linear(x)[-1].isfinite().any() and linear(x)[:-1].isfinite().all()
 
 
 def spy(fn, calls):
