@@ -1859,11 +1859,14 @@ def _avx2_on_this_cpu():
 
 @functools.cache
 def _q4_1_dot_intrinsic():
-    """_q4_1_dot(nibbles, i, d, j, x, k, scales, l, blocks) as numba compiles it, with AVX2's integer products:
-    sum over blocks b of d[j + b] * scales[l + b] * (q . x) over block b's 32 weights q (the 16 bytes at nibbles[i +
-    16 b], low nibbles its weights 0-15, high ones 16-31, as a GGUF's Q4_1 block) and 32 int16 activations x[k +
-    32 b ...]. q . x in two vpmaddwd (16-bit products, summed in pairs into 8 int32 lanes: exact), then in fp32,
-    times the block's two scales, into 8 fp32 lanes (FMA). Only where AVX2_Q4_1 (else never called: 0)."""
+    """_q4_1_dot(nibbles, i, d, j, x, k, scales, l, blocks, rows) as numba compiles it, with AVX2's integer
+    products: for each of `rows` (a constant) rows r of int16 activations x (at x[k + 32 blocks r], their scales
+    at scales[l + blocks r]), the sum over blocks b of d[j + b] * scales[.. + b] * (q . x) over block b's 32
+    weights q (the 16 bytes at nibbles[i + 16 b], low nibbles its weights 0-15, high ones 16-31, as a GGUF's Q4_1
+    block) and the row's 32 activations of that block -> a tuple of `rows` fp32 sums. Each block's weights are
+    unpacked once for all the rows; q . x is two vpmaddwd (16-bit products, summed in pairs into 8 int32 lanes:
+    exact), then in fp32, times the block's two scales, into 8 fp32 lanes a row (FMA). Only where AVX2_Q4_1
+    (else never called: zeros)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -1876,45 +1879,47 @@ def _q4_1_dot_intrinsic():
         return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
 
     @intrinsic
-    def dot(typingctx, q, i, d, j, x, k, scales, l, blocks):
+    def dot(typingctx, q, i, d, j, x, k, scales, l, blocks, rows):
+        if not isinstance(rows, types.IntegerLiteral):
+            return None
+        count = rows.literal_value
+
         def codegen(context, builder, sig, args):
-            if not AVX2_Q4_1:
-                return f32(0.0)
+            def element(a, index, kind):  # a pointer to element `index` of array argument a
+                return _element_pointer(context, builder, sig, args, a, index, kind)
+
+            blocks = args[8]
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(count)]
             pmaddwd = function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), [halves, halves])
             fma = function(builder, "llvm.fma.v8f32", lanes, [lanes] * 3)
-
-            def block(b, sums):  # sums += block b's 8 lanes of products, times its two scales
-                packed = builder.add(args[1], builder.mul(b, i64(16)))
-                packed = builder.load(_element_pointer(context, builder, sig, args, 0, packed, nibbles), align=1)
+            with cgutils.for_range(builder, blocks if AVX2_Q4_1 else i64(0)) as loop:
+                b = loop.index
+                packed = builder.load(element(0, builder.add(args[1], builder.mul(b, i64(16))), nibbles), align=1)
                 packed = builder.zext(packed, halves)  # a byte a lane: its low nibble, its high one
                 low = builder.and_(packed, ir.Constant(halves, [15] * 16))  # weights 0-15
                 high = builder.lshr(packed, ir.Constant(halves, [4] * 16))  # weights 16-31
-                at = builder.add(args[5], builder.mul(b, i64(32)))
-                products = []
-                for w, start in ((low, at), (high, builder.add(at, i64(16)))):
-                    xs = builder.load(_element_pointer(context, builder, sig, args, 4, start, halves), align=2)
-                    products.append(builder.call(pmaddwd, [w, xs]))
-                scale = [
-                    builder.load(_element_pointer(context, builder, sig, args, a, builder.add(args[a + 1], b), f32))
-                    for a in (2, 6)
-                ]
-                scale = builder.insert_element(ir.Constant(lanes, None), builder.fmul(*scale), i32(0))
-                scale = builder.shuffle_vector(scale, scale, ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-                total = builder.sitofp(builder.add(*products), lanes)
-                builder.store(builder.call(fma, [total, scale, builder.load(sums)]), sums)
-
-            # two sums, even and odd blocks: each FMA waits for the one before it in its own chain only
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(2)]
-            with cgutils.for_range(builder, builder.lshr(args[8], i64(1))) as loop:
-                for half in range(2):
-                    block(builder.add(builder.shl(loop.index, i64(1)), i64(half)), sums[half])
-            with builder.if_then(builder.trunc(args[8], ir.IntType(1))):  # an odd count's last block
-                block(builder.sub(args[8], i64(1)), sums[0])
+                weight_scale = builder.load(element(2, builder.add(args[3], b), f32))
+                for r in range(count):
+                    at = builder.add(args[5], builder.mul(builder.add(builder.mul(blocks, i64(r)), b), i64(32)))
+                    products = [
+                        builder.call(pmaddwd, [w, builder.load(element(4, start, halves), align=2)])
+                        for w, start in ((low, at), (high, builder.add(at, i64(16))))
+                    ]
+                    row_scale = builder.load(
+                        element(6, builder.add(args[7], builder.add(builder.mul(blocks, i64(r)), b)), f32)
+                    )
+                    scale = builder.insert_element(
+                        ir.Constant(lanes, None), builder.fmul(weight_scale, row_scale), i32(0)
+                    )
+                    scale = builder.shuffle_vector(scale, scale, ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+                    total = builder.sitofp(builder.add(*products), lanes)
+                    builder.store(builder.call(fma, [total, scale, builder.load(sums[r])]), sums[r])
             reduce = function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, lanes])
-            both = builder.fadd(builder.load(sums[0]), builder.load(sums[1]))
-            return builder.call(reduce, [f32(-0.0), both], fastmath=("reassoc",))
+            totals = [builder.call(reduce, [f32(-0.0), builder.load(s)], fastmath=("reassoc",)) for s in sums]
+            return context.make_tuple(builder, sig.return_type, totals)
 
-        return types.float32(q, types.intp, d, types.intp, x, types.intp, scales, types.intp, types.intp), codegen
+        arguments = (q, types.intp, d, types.intp, x, types.intp, scales, types.intp, types.intp, rows)
+        return types.UniTuple(types.float32, count)(*arguments), codegen
 
     return dot
 
@@ -3069,11 +3074,22 @@ def _q4_1_loops(x, nibbles, d, m):
                 xq[r, i] = np.int16(np.round(x[r, i] * inverse))
     for job in prange((n + Q4_1_CHUNK - 1) // Q4_1_CHUNK):
         for j in range(job * Q4_1_CHUNK, min(n, (job + 1) * Q4_1_CHUNK)):
+            at = j * blocks * 16  # weight row j's blocks (its scales: j * blocks)
+            for r in range(0, rows - 3, 4):  # four rows share each block's unpacked weights
+                totals = _q4_1_dot(nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 4)
+                for e in range(4):
+                    out[r + e, j] = totals[e]
+            if rows % 4 >= 2:  # then two, then one
+                r = rows - rows % 4
+                out[r, j], out[r + 1, j] = _q4_1_dot(
+                    nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 2
+                )
+            if rows % 2:
+                r = rows - 1
+                out[r, j] = _q4_1_dot(nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 1)[0]
             for r in range(rows):
-                total = _q4_1_dot(nibbles, j * blocks * 16, d, j * blocks, xq, r * k, scales, r * blocks, blocks)
                 for b in range(blocks):
-                    total += m[j, b] * sums[r, b]
-                out[r, j] = total
+                    out[r, j] += m[j, b] * sums[r, b]
     return out
 
 
