@@ -3088,8 +3088,10 @@ def _q4_1_loops(x, nibbles, d, m):
                 r = rows - 1
                 out[r, j] = _q4_1_dot(nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 1)[0]
             for r in range(rows):
+                total = out[r, j]  # (a local: a sum into out[r, j] itself would wait on its store each block)
                 for b in range(blocks):
-                    out[r, j] += m[j, b] * sums[r, b]
+                    total += m[j, b] * sums[r, b]
+                out[r, j] = total
     return out
 
 
