@@ -3034,9 +3034,8 @@ def attach_int4(linear, q, d, m):
         except (AttributeError, RuntimeError):
             return False
         linear.q4_1, linear.int4 = None, packed
-        linear.int4_scales = (
-            torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()
-        )  # (in/32, out, 2)
+        scales = torch.stack([d, m + 8 * d], dim=-1)  # (out, in / 32, 2)
+        linear.int4_scales = scales.transpose(0, 1).contiguous().bfloat16()  # (in / 32, out, 2)
     linear.__class__ = Int4Linear
     return True
 
