@@ -1888,11 +1888,13 @@ def _q4_1_dot_intrinsic():
             def element(a, index, kind):  # a pointer to element `index` of array argument a
                 return _element_pointer(context, builder, sig, args, a, index, kind)
 
+            if not AVX2_Q4_1:  # (no x86 instruction for another CPU's compiler to meet)
+                return context.make_tuple(builder, sig.return_type, [f32(0.0)] * count)
             blocks = args[8]
             sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(count)]
             pmaddwd = function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), [halves, halves])
             fma = function(builder, "llvm.fma.v8f32", lanes, [lanes] * 3)
-            with cgutils.for_range(builder, blocks if AVX2_Q4_1 else i64(0)) as loop:
+            with cgutils.for_range(builder, blocks) as loop:
                 b = loop.index
                 packed = builder.load(element(0, builder.add(args[1], builder.mul(b, i64(16))), nibbles), align=1)
                 packed = builder.zext(packed, halves)  # a byte a lane: its low nibble, its high one
@@ -3024,7 +3026,7 @@ def attach_int4(linear, q, d, m):
     the int4 CPU matmul; returns whether it did."""
     if not USE_CPU_INT4 or type(linear) is not PackedLinear:  # (packed: bf16 or fp32)
         return False
-    if _compile_q4_1() is not None and AVX2_Q4_1:
+    if _numba() is not None and AVX2_Q4_1 and _compile_q4_1() is not None:  # (_numba() sets AVX2_Q4_1)
         blocks = q.view(q.shape[0], -1, Q4_1_BLOCK).to(torch.uint8)
         nibbles = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(q.shape[0], -1)  # (out, in / 2)
         linear.q4_1 = tuple(t.contiguous().numpy() for t in (nibbles, d.float(), m.float()))
