@@ -1608,7 +1608,7 @@ def _numba():
     BF16_DOT = _bf16_dot_on_this_cpu()
     _bf16_dot, _bf16_add_pair = _bf16_dot_intrinsics()
     global AVX2_Q4_1, _q4_1_dot
-    AVX2_Q4_1 = _avx2_on_this_cpu()
+    AVX2_Q4_1 = _numba_cpu_has("avx2", "fma")
     _q4_1_dot = _q4_1_dot_intrinsic()
     global AMX_PREFILL, _tile_config, _tile_load, _tile_store, _tile_dot, _tile_zero, _tile_release
     AMX_PREFILL = _amx_on_this_cpu()
@@ -1728,12 +1728,19 @@ def _prefetch_intrinsic():
     return prefetch
 
 
-def _bf16_dot_on_this_cpu():
-    """Whether numba compiles for this machine's CPU (its default) and that CPU has AVX512-BF16."""
+def _numba_cpu_has(*features):
+    """Whether numba compiles for this machine's CPU (its default) and that CPU has every one of these features
+    (LLVM's names: "avx2", "avx512bf16", "amx-tile", ...)."""
     import numba
     from llvmlite import binding
 
-    return not numba.config.CPU_NAME and bool(binding.get_host_cpu_features().get("avx512bf16"))
+    found = binding.get_host_cpu_features()
+    return not numba.config.CPU_NAME and all(found.get(f) for f in features)
+
+
+def _bf16_dot_on_this_cpu():
+    """Whether numba compiles for this machine's CPU and that CPU has AVX512-BF16."""
+    return _numba_cpu_has("avx512bf16")
 
 
 @functools.cache
@@ -1846,15 +1853,6 @@ def _bit_cast_intrinsics():
         return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
 
     return as_f32, as_u32
-
-
-def _avx2_on_this_cpu():
-    """Whether numba compiles for this machine's CPU (its default) and that CPU has AVX2 and FMA."""
-    import numba
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features()
-    return not numba.config.CPU_NAME and bool(features.get("avx2") and features.get("fma"))
 
 
 @functools.cache
@@ -2335,11 +2333,7 @@ _tile_config = _tile_load = _tile_store = _tile_dot = _tile_zero = _tile_release
 def _amx_on_this_cpu():
     """Whether numba compiles for this machine's CPU, that CPU has AMX's tiles and bf16 products, and Linux
     grants this process the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM; oneDNN asks the same)."""
-    import numba
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features()
-    if numba.config.CPU_NAME or not (features.get("amx-tile") and features.get("amx-bf16")):
+    if not _numba_cpu_has("amx-tile", "amx-bf16"):
         return False
     try:
         return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, XTILEDATA
