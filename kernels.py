@@ -1370,9 +1370,7 @@ class DecodeRows:
     rows: object  # (n,) int64 numpy array: the decode sequences' q rows
     block_tables: object  # (n, max_blocks) int32 numpy array: their block tables
     seq_lens: object  # (n,) int32 numpy array: their lengths
-    heads_per_job: (
-        int  # kv heads per job: all of them (a job per sequence), or 1 when there are fewer sequences than threads
-    )
+    parts: int  # each sequence's blocks in this many runs, a job each, merged after (fewer sequences than threads)
     num_keys: int  # keys of all the rows together (the loops' work: num_keys x heads x head_dim multiply-adds)
 
 
@@ -1427,14 +1425,15 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and _decode_loops(dtype) is not None:
         idx = torch.tensor(decode)
-        # a job per sequence reads each cache block in one pass: faster as soon as every thread has a sequence
-        heads_per_job = num_kv_heads if len(decode) >= _loop_threads() else 1
+        # a job per sequence reads each cache block in one pass; with fewer sequences than threads each one's blocks
+        # are cut into runs (a job each, their softmax sums merged after), so that no thread idles
+        parts = -(-_loop_threads() // len(decode))
         plan.decode.append(
             DecodeRows(
                 np.array([starts[i] for i in decode], np.int64),
                 block_tables[idx].numpy(),
                 seq_lens[idx].numpy(),
-                heads_per_job,
+                parts,
                 sum(lens[i] for i in decode),
             )
         )
@@ -1484,7 +1483,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
                 g.num_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
                 *(t.view(bits).numpy() for t in (q.contiguous(), k_cache, v_cache)),
                 shift,
-                g.heads_per_job,
+                g.parts,
                 g.rows,
                 g.block_tables,
                 g.seq_lens,
@@ -1941,6 +1940,7 @@ _LOOP_HELPERS = (
     "_round",
     "_exp",
     "_block_softmax",
+    "_write_heads",
     "_rotate_head",
     "_rms_norm_row",
     "_rotary_token",
@@ -1963,7 +1963,7 @@ LOG2_E = 1.4426950408889634
 _EXP2_POLY32 = tuple(np.float32(c) for c in EXP2_POLY)  # (numba reads a global tuple as constants)
 
 
-def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, seq_lens, scale, out):
+def _decode_attention_loops(q, k, v, shift, parts, rows, block_tables, seq_lens, scale, out):
     """Decode attention as plain loops (numba compiles them): each sequence's one query row
     against its keys and values, read in place from the paged cache, once, with an online
     softmax over cache blocks (as the Triton kernel does over key tiles: a running max, and
@@ -1972,9 +1972,10 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
       arrays (t.view(torch.uint16) for bf16, widened to fp32 by shift 16: bf16 is the top half of an
       fp32; t.view(torch.uint32) for fp32, shift 0). Sequence i's one query row is q[rows[i]]; query
       head j reads kv head j // (H // Hkv).
-    - heads_per_job, a divisor of Hkv: Hkv (a job per sequence: each block of its cache is one
-      contiguous read, which memory streams fastest) or 1 (a job per (sequence, kv head): jobs for
-      every thread when there are fewer sequences than threads).
+    - parts: a job per sequence (all its kv heads: each block of its cache is one contiguous read, which
+      memory streams fastest), or, with parts > 1, a job per run of its blocks (jobs for every thread
+      when there are fewer sequences than threads: split-K, as the Triton kernel's segments); the runs'
+      softmax sums are merged after, each rescaled to the largest of their maxima.
     - block_tables (n, max_blocks) int32: only the first ceil(seq_len / block_size) ids of a row are
       read, and must be valid (numba checks no bounds); seq_lens (n,) int32, each >= 1.
     - scale multiplies q.k (head_dim ** -0.5); out (T, H, D), q's bits: row rows[i] is overwritten
@@ -1988,56 +1989,58 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
     n, num_heads, head_dim = len(rows), q.shape[1], q.shape[2]
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    jobs_per_seq = num_kv_heads // heads_per_job
     bf16_dot = BF16_DOT and shift == 16 and head_dim % 32 == 0
     key_stride = num_kv_heads * head_dim  # between one key's (or value's) row and the next, in the cache
-    for job in prange(
-        n * jobs_per_seq
-    ):  # job: sequence i, kv heads h0 .. h0 + heads_per_job - 1 (their query heads share each block)
-        i, h0 = job // jobs_per_seq, job % jobs_per_seq * heads_per_job
-        q_bits = np.empty((heads_per_job * group, head_dim), np.uint32)
-        qh = q_bits.view(np.float32)  # the job's query heads, widened, then scaled
-        for g in range(heads_per_job * group):
+    # the parts' running max, sum and accumulator of each query head, merged after the jobs (where parts > 1)
+    part_best = np.empty((n * parts if parts > 1 else 0, num_heads), np.float32)
+    part_total = np.empty_like(part_best)
+    part_acc = np.empty((len(part_best), num_heads, head_dim), np.float32)
+    for job in prange(n * parts):  # job: sequence i's run `part` of its blocks
+        i, part = job // parts, job % parts
+        q_bits = np.empty((num_heads, head_dim), np.uint32)
+        qh = q_bits.view(np.float32)  # the sequence's query heads, widened, then scaled
+        for g in range(num_heads):
             for d in range(head_dim):
-                q_bits[g, d] = np.uint32(q[rows[i], h0 * group + g, d]) << shift
+                q_bits[g, d] = np.uint32(q[rows[i], g, d]) << shift
             for d in range(head_dim):
                 qh[g, d] *= np.float32(scale)
-        key_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
-        value_bits = np.empty((block_size, heads_per_job, head_dim), np.uint32)
+        key_bits = np.empty((block_size, num_kv_heads, head_dim), np.uint32)
+        value_bits = np.empty((block_size, num_kv_heads, head_dim), np.uint32)
         keys, values = (
             key_bits.view(np.float32),
             value_bits.view(np.float32),
-        )  # one block of the job's kv heads, widened
+        )  # one block of its kv heads, widened
         weights = np.empty((group, block_size), np.float32)  # the block's scores, then exp(score - best)
         pow2 = np.empty(block_size, np.float32)  # (_block_softmax's scratch)
-        best = np.full(heads_per_job * group, -np.inf, np.float32)  # the running max score of each query head
-        total = np.zeros(heads_per_job * group, np.float32)  # sum of exp(score - best)
-        acc = np.zeros((heads_per_job * group, head_dim), np.float32)  # sum of exp(score - best) * value
-        for b in range((seq_lens[i] + block_size - 1) // block_size):
+        best = np.full(num_heads, -np.inf, np.float32)  # the running max score of each query head
+        total = np.zeros(num_heads, np.float32)  # sum of exp(score - best)
+        acc = np.zeros((num_heads, head_dim), np.float32)  # sum of exp(score - best) * value
+        num_blocks = (seq_lens[i] + block_size - 1) // block_size
+        for b in range(part * num_blocks // parts, (part + 1) * num_blocks // parts):
             block, num = block_tables[i, b], min(block_size, seq_lens[i] - b * block_size)
             # where the next block's rows start: fetched while this one is computed (the PV loop below asks
             # for one key's lines at a time; asked for all at once here, the fetches crowd out this block's)
-            ahead = (b + 1) * block_size < seq_lens[i]
+            ahead = b + 1 < (part + 1) * num_blocks // parts
             next_rows = block_tables[i, b + 1 if ahead else b] * block_size * num_kv_heads
             if not bf16_dot:
                 for t in range(num):
-                    for h in range(heads_per_job):
+                    for h in range(num_kv_heads):
                         if shift == 16:  # a loop per shift: with the shift a constant, LLVM widens 16 lanes at a time
                             for d in range(head_dim):
-                                key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d]) << 16
+                                key_bits[t, h, d] = np.uint32(k[block, t, h, d]) << 16
                             for d in range(head_dim):
-                                value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d]) << 16
+                                value_bits[t, h, d] = np.uint32(v[block, t, h, d]) << 16
                         else:  # fp32 caches: shift 0 (LOOP_DTYPES has no other)
                             for d in range(head_dim):
-                                key_bits[t, h, d] = np.uint32(k[block, t, h0 + h, d])
+                                key_bits[t, h, d] = np.uint32(k[block, t, h, d])
                             for d in range(head_dim):
-                                value_bits[t, h, d] = np.uint32(v[block, t, h0 + h, d])
-            for h in range(heads_per_job):
-                row = (block * block_size * num_kv_heads + h0 + h) * head_dim  # key t's: row + t * key_stride
+                                value_bits[t, h, d] = np.uint32(v[block, t, h, d])
+            for h in range(num_kv_heads):
+                row = (block * block_size * num_kv_heads + h) * head_dim  # key t's: row + t * key_stride
                 for g in range(group):
-                    qi = h * group + g  # the job's query head
+                    qi = h * group + g  # the query head
                     if bf16_dot:
-                        query = (rows[i] * num_heads + h0 * group + qi) * head_dim
+                        query = (rows[i] * num_heads + qi) * head_dim
                         for t in range(num):
                             weights[g, t] = _bf16_dot(q, query, k, row + t * key_stride, head_dim) * np.float32(scale)
                     else:
@@ -2054,8 +2057,8 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
                     if ahead:
                         for key in range(t, t + keys_per_pass):
                             for line in range(0, head_dim, 64 // k.itemsize):  # a 64-byte cache line at a time
-                                prefetch(k, (next_rows + key * num_kv_heads + h0 + h) * head_dim + line)
-                                prefetch(v, (next_rows + key * num_kv_heads + h0 + h) * head_dim + line)
+                                prefetch(k, (next_rows + key * num_kv_heads + h) * head_dim + line)
+                                prefetch(v, (next_rows + key * num_kv_heads + h) * head_dim + line)
                     if not bf16_dot:
                         for g in range(group):
                             for d in range(head_dim):
@@ -2068,13 +2071,38 @@ def _decode_attention_loops(q, k, v, shift, heads_per_job, rows, block_tables, s
                         _bf16_add_pair(
                             acc, at, weights[g, t], other, v, row + t * key_stride, row + u * key_stride, head_dim
                         )
-        for g in range(heads_per_job * group):  # q_bits (its query heads are read) holds the results
-            for d in range(head_dim):
-                qh[g, d] = acc[g, d] / total[g]
-            if shift == 16:
-                _round(q_bits[g])
-            for d in range(head_dim):
-                out[rows[i], h0 * group + g, d] = q_bits[g, d] >> shift
+        if parts > 1:  # (merged below)
+            part_best[job, :], part_total[job, :], part_acc[job, :, :] = best, total, acc
+            continue
+        _write_heads(acc, total, q_bits, shift, out, rows[i])
+    for job in range(0, len(part_best), parts):  # each sequence's runs merged, in order
+        i = job // parts
+        acc, total = part_acc[job], part_total[job]
+        for other in range(job + 1, job + parts):
+            for g in range(num_heads):
+                best = max(part_best[job, g], part_best[other, g])
+                if best == -np.inf:  # (no key of either part has a finite score yet)
+                    continue
+                mine, theirs = math.exp(part_best[job, g] - best), math.exp(part_best[other, g] - best)
+                total[g] = total[g] * mine + part_total[other, g] * theirs
+                for d in range(head_dim):
+                    acc[g, d] = acc[g, d] * mine + part_acc[other, g, d] * theirs
+                part_best[job, g] = best
+        q_bits = np.empty((num_heads, head_dim), np.uint32)
+        _write_heads(acc, total, q_bits, shift, out, rows[i])
+
+
+def _write_heads(acc, total, bits, shift, out, row):
+    """The decode loops' last step: acc / total of each query head, as the cache's bits (rounded to bf16, to nearest
+    even, for shift 16), into out[row]; bits: (heads, head_dim) uint32 scratch."""
+    values = bits.view(np.float32)
+    for g in range(acc.shape[0]):
+        for d in range(acc.shape[1]):
+            values[g, d] = acc[g, d] / total[g]
+        if shift == 16:
+            _round(bits[g])
+        for d in range(acc.shape[1]):
+            out[row, g, d] = bits[g, d] >> shift
 
 
 def _block_softmax(weights, g, num, best, total, acc, qi, pow2):

@@ -4302,10 +4302,11 @@ def test_avx512_bf16_dot_products_match_fp64(n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim", [(16, 3, 3, 64), (4, 4, 2, 24), (1, 2, 1, 8)])
-def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size, num_kv_heads, group, head_dim):
-    """The compiled decode loops give the same bits with a job per sequence (every kv head of a
-    block read at once, the route of a large batch) and a job per (sequence, kv heads) for every
-    divisor of the kv heads, and they match the reference (last blocks partly filled and full)."""
+def test_decode_loops_split_k_runs_match_the_reference(dtype, block_size, num_kv_heads, group, head_dim):
+    """The compiled decode loops match the reference with a job per sequence (the route of a large batch)
+    and with each sequence's blocks cut into 2 or 3 runs, a job each, merged after (split-K, the route of
+    fewer sequences than threads: more runs than some sequences have blocks); last blocks partly filled and
+    full."""
     loops = kernels._decode_loops(dtype)
     if loops is None:
         pytest.skip("numba is not installed")
@@ -4323,13 +4324,13 @@ def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size,
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale = args
     bits, shift = kernels.LOOP_DTYPES[dtype]
     outs = []
-    for heads_per_job in [h for h in range(num_kv_heads, 0, -1) if num_kv_heads % h == 0]:
+    for parts in (1, 2, 3):
         out = torch.full_like(q, float("nan"))  # every row is a decode row: each must be written
         loops(
             kernels.LOOP_MIN_WORK,  # (as a large call: on every thread)
             *(t.view(bits).numpy() for t in (q, k_cache, v_cache)),
             shift,
-            heads_per_job,
+            parts,
             torch.arange(len(q)).numpy(),  # sequence i's query row
             block_tables.numpy(),
             seq_lens.numpy(),
@@ -4337,16 +4338,17 @@ def test_decode_loops_job_per_sequence_equals_job_per_kv_head(dtype, block_size,
             out.view(bits).numpy(),
         )
         outs.append(out)
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
-    torch.testing.assert_close(
-        outs[0], kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
-    )
+    for out in outs:
+        torch.testing.assert_close(
+            out, kernels.paged_attention_ref(*args), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
+        )
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 4])
-def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_threads, monkeypatch):
-    """With fewer decode sequences than threads a job per (sequence, kv head), so that no thread idles;
-    from one per thread on, a job per sequence; either way the reference's result."""
+def test_decode_plan_cuts_sequences_into_runs_while_threads_outnumber_them(num_threads, monkeypatch):
+    """With fewer decode sequences than threads each sequence's blocks in as many runs as make a job for
+    every thread (split-K), so that no thread idles; from one sequence per thread on, a job per sequence;
+    either way the reference's result."""
     if kernels._decode_loops(torch.float32) is None:
         pytest.skip("numba is not installed")
     for num_seqs in (1, 2, 3, 4, 5):
@@ -4357,7 +4359,7 @@ def test_decode_plan_takes_a_job_per_sequence_once_every_thread_has_one(num_thre
         with monkeypatch.context() as m:  # the plan sees num_threads; the loops then run on the threads there are
             m.setattr(kernels, "_loop_threads", lambda: num_threads)
             plan = kernels.plan_paged_attention(block_tables, seq_lens, query_start_loc, 4, 2, torch.float32)
-        assert plan.decode[0].heads_per_job == (2 if num_seqs >= num_threads else 1)
+        assert plan.decode[0].parts == -(-num_threads // num_seqs)
         torch.testing.assert_close(
             kernels.paged_attention_cpu(*args, plan=plan), kernels.paged_attention_ref(*args), rtol=1e-5, atol=1e-5
         )
