@@ -2612,25 +2612,40 @@ def rotary_cpu(q, k, rope, store=None):
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
         _check_store_kv(k, v, k_cache, v_cache, slots)  # (the loops check no bounds; slots must be in the caches)
-        k_out, v_out = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))  # (slots, Hkv, D)
+        k_out, v_out = k_cache, v_cache  # (their slots: rows of (Hkv, D))
     loops = _compile_elementwise(_rotary_loops)
     if loops is None:
         return None
-    q_out, rope = torch.empty(q.shape, dtype=q.dtype), rope.contiguous()
+    q_out, rope = torch.empty_like(q, memory_format=torch.contiguous_format), rope.contiguous()
     # q, k and v as rows of head_dim-wide heads (the qkv output's views): a decode step's call a C function
-    rows = all(t.stride(1) == head_dim and t.stride(0) % head_dim == 0 for t in (q, k, v)) and slots.is_contiguous()
-    small = rows and q.numel() + k.numel() < ROTARY_C_WORK
-    element = ELEMENTS[q.dtype] + "*"
-    pointer_types = [element] * 3 + ["float32*", "int64*"] + [element] * 3
-    one_thread = _c_function(_rotary_pointers, *pointer_types, *["int64"] * 9) if small else None
+    one_thread = _rotary_c(q.dtype) if q.numel() + k.numel() < ROTARY_C_WORK and _head_rows(q, k, v, slots) else None
     if one_thread is not None:
         pointers = (t.data_ptr() for t in (q, k, v, rope, slots, q_out, k_out, v_out))
-        sizes = (q.shape[1], k.shape[1], head_dim, len(v), len(k_out))
+        sizes = (q.shape[1], k.shape[1], head_dim, len(v), k_out.numel() // (k.shape[1] * head_dim))
         one_thread(*pointers, tokens, q.stride(0), k.stride(0), v.stride(0), *sizes)
     else:
+        if store is not None:
+            k_out, v_out = (c.view(-1, *c.shape[2:]) for c in (k_out, v_out))  # (slots, Hkv, D)
         bits = [_elements(t) for t in (q, k, v, q_out, k_out, v_out)]
         loops(q.numel() + k.numel(), *bits[:3], rope.numpy(), slots.numpy(), *bits[3:])
     return q_out if store is not None else (q_out, k_out)
+
+
+def _head_rows(q, k, v, slots):
+    """Whether q, k and v are rows of head_dim-wide heads side by side (the qkv output's views), as _rotary_pointers
+    reads them."""
+    head_dim = q.shape[2]
+    return (
+        q.stride(1) == k.stride(1) == v.stride(1) == head_dim
+        and q.stride(0) % head_dim == k.stride(0) % head_dim == v.stride(0) % head_dim == 0
+        and slots.is_contiguous()
+    )
+
+
+@functools.cache
+def _rotary_c(dtype):
+    element = ELEMENTS[dtype] + "*"
+    return _c_function(_rotary_pointers, *[element] * 3, "float32*", "int64*", *[element] * 3, *["int64"] * 9)
 
 
 # Below this many q and k elements rotary_cpu calls _rotary_pointers on the calling thread: a decode step's
