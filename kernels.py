@@ -2621,7 +2621,8 @@ def rotary_cpu(q, k, rope, store=None):
     one_thread = _rotary_c(q.dtype) if q.numel() + k.numel() < ROTARY_C_WORK and _head_rows(q, k, v, slots) else None
     if one_thread is not None:
         pointers = (t.data_ptr() for t in (q, k, v, rope, slots, q_out, k_out, v_out))
-        sizes = (q.shape[1], k.shape[1], head_dim, len(v), k_out.numel() // (k.shape[1] * head_dim))
+        slots_out = k_out.shape[0] * k_out.shape[1] if store is not None else tokens  # (a cache's slots, or k's rows)
+        sizes = (q.shape[1], k.shape[1], head_dim, len(v), slots_out)
         one_thread(*pointers, tokens, q.stride(0), k.stride(0), v.stride(0), *sizes)
     else:
         if store is not None:
