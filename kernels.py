@@ -1856,14 +1856,15 @@ def _bit_cast_intrinsics():
 
 @functools.cache
 def _q4_1_dot_intrinsic():
-    """_q4_1_dot(nibbles, i, d, j, x, k, scales, l, blocks, rows) as numba compiles it, with AVX2's integer
-    products: for each of `rows` (a constant) rows r of int16 activations x (at x[k + 32 blocks r], their scales
-    at scales[l + blocks r]), the sum over blocks b of d[j + b] * scales[.. + b] * (q . x) over block b's 32
-    weights q (the 16 bytes at nibbles[i + 16 b], low nibbles its weights 0-15, high ones 16-31, as a GGUF's Q4_1
-    block) and the row's 32 activations of that block -> a tuple of `rows` fp32 sums. Each block's weights are
-    unpacked once for all the rows; q . x is two vpmaddwd (16-bit products, summed in pairs into 8 int32 lanes:
-    exact), then in fp32, times the block's two scales, into 8 fp32 lanes a row (FMA). Only where AVX2_Q4_1
-    (else never called: zeros)."""
+    """_q4_1_dot(nibbles, i, d, m, j, x, k, scales, sums, l, blocks, rows) as numba compiles it, with AVX2's integer
+    products: for each of `rows` (a constant) rows r of int16 activations x (at x[k + 32 blocks r], their scales and
+    sums at scales[l + blocks r] and sums[..]), the sum over blocks b of d[j + b] * scales[.. + b] * (q . x) +
+    m[j + b] * sums[.. + b] (d and m fp16 bits), q block b's 32 weights (the 16 bytes at nibbles[i + 16 b], low
+    nibbles its weights 0-15, high ones 16-31, as a GGUF's Q4_1 block) and x the row's 32 activations of that
+    block -> a tuple of `rows` fp32 sums. Each block's weights are unpacked once for all the rows; q . x is two
+    vpmaddwd (16-bit products, summed in pairs into 8 int32 lanes: exact); eight blocks' sums are then gathered into
+    one vector, a lane a block, and go to fp32 lanes times their scales (FMA), the last blocks one at a time. Only
+    where AVX2_Q4_1 (else never called: zeros)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
@@ -1876,7 +1877,7 @@ def _q4_1_dot_intrinsic():
         return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
 
     @intrinsic
-    def dot(typingctx, q, i, d, j, x, k, scales, l, blocks, rows):
+    def dot(typingctx, q, i, d, m, j, x, k, scales, sums, l, blocks, rows):
         if not isinstance(rows, types.IntegerLiteral):
             return None
         count = rows.literal_value
@@ -1887,37 +1888,71 @@ def _q4_1_dot_intrinsic():
 
             if not AVX2_Q4_1:  # (no x86 instruction for another CPU's compiler to meet)
                 return context.make_tuple(builder, sig.return_type, [f32(0.0)] * count)
-            blocks = args[8]
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(count)]
+            i, j, k, l, blocks = args[1], args[4], args[6], args[9], args[10]
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(lanes, None)) for _ in range(count)]
             pmaddwd = function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), [halves, halves])
             fma = function(builder, "llvm.fma.v8f32", lanes, [lanes] * 3)
-            with cgutils.for_range(builder, blocks) as loop:
-                b = loop.index
-                packed = builder.load(element(0, builder.add(args[1], builder.mul(b, i64(16))), nibbles), align=1)
+            i32s = lambda *values: ir.Constant(ir.VectorType(i32, len(values)), list(values))  # noqa: E731
+
+            def products(b):  # block b's q . x for each row: 8 int32 lanes whose sum it is
+                packed = builder.load(element(0, builder.add(i, builder.mul(b, i64(16))), nibbles), align=1)
                 packed = builder.zext(packed, halves)  # a byte a lane: its low nibble, its high one
                 low = builder.and_(packed, ir.Constant(halves, [15] * 16))  # weights 0-15
                 high = builder.lshr(packed, ir.Constant(halves, [4] * 16))  # weights 16-31
-                weight_scale = builder.load(element(2, builder.add(args[3], b), f32))
+                rows = []
                 for r in range(count):
-                    at = builder.add(args[5], builder.mul(builder.add(builder.mul(blocks, i64(r)), b), i64(32)))
-                    products = [
-                        builder.call(pmaddwd, [w, builder.load(element(4, start, halves), align=2)])
+                    at = builder.add(k, builder.mul(builder.add(builder.mul(blocks, i64(r)), b), i64(32)))
+                    pair = [
+                        builder.call(pmaddwd, [w, builder.load(element(5, start, halves), align=2)])
                         for w, start in ((low, at), (high, builder.add(at, i64(16))))
                     ]
-                    row_scale = builder.load(
-                        element(6, builder.add(args[7], builder.add(builder.mul(blocks, i64(r)), b)), f32)
+                    rows.append(builder.add(*pair))
+                return rows
+
+            def load(a, index, n, kind):  # n elements of array argument a from index: fp16 bits widened (F16C)
+                v = builder.load(element(a, index, ir.VectorType(i16 if kind == "fp16" else f32, n)), align=2)
+                return (
+                    builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), n)), ir.VectorType(f32, n))
+                    if kind == "fp16"
+                    else v
+                )
+
+            def add_blocks(r, b, n, total):  # acc[r] += total * d * scale + m * sum of blocks b .. b + n - 1
+                row = builder.add(l, builder.add(builder.mul(blocks, i64(r)), b))
+                d, m = load(2, builder.add(j, b), n, "fp16"), load(3, builder.add(j, b), n, "fp16")
+                scale, total_x = load(7, row, n, "fp32"), load(8, row, n, "fp32")
+                if n == 1:  # one block: its scale in every lane, its m * sum(x) in lane 0
+                    d, m, scale, total_x = (
+                        builder.shuffle_vector(v, v, i32s(*[0] * 8)) for v in (d, m, scale, total_x)
                     )
-                    scale = builder.insert_element(
-                        ir.Constant(lanes, None), builder.fmul(weight_scale, row_scale), i32(0)
+                    m = builder.insert_element(ir.Constant(lanes, 0.0), builder.extract_element(m, i32(0)), i32(0))
+                total = builder.call(fma, [builder.sitofp(total, lanes), builder.fmul(d, scale), builder.load(acc[r])])
+                builder.store(builder.call(fma, [m, total_x, total]), acc[r])
+
+            def pairs(a, b):  # (a0+a1, a2+a3, b0+b1, b2+b3 | the same of lanes 4-7), as vphaddd
+                even, odd = i32s(0, 2, 8, 10, 4, 6, 12, 14), i32s(1, 3, 9, 11, 5, 7, 13, 15)
+                return builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
+
+            # eight blocks at a time: their sums gathered into one vector (a lane a block: exact, |q . x| < 2 ** 24)
+            with cgutils.for_range(builder, builder.udiv(blocks, i64(8))) as loop:
+                b = builder.mul(loop.index, i64(8))
+                p = list(zip(*[products(builder.add(b, i64(t))) for t in range(8)]))  # p[r]: 8 blocks' lanes
+                for r in range(count):
+                    h = [pairs(p[r][t], p[r][t + 1]) for t in range(0, 8, 2)]
+                    h = [pairs(h[0], h[1]), pairs(h[2], h[3])]  # (each: 4 blocks' lanes 0-3 | their lanes 4-7)
+                    low, high = (
+                        builder.shuffle_vector(*h, o)
+                        for o in (i32s(0, 1, 2, 3, 8, 9, 10, 11), i32s(4, 5, 6, 7, 12, 13, 14, 15))
                     )
-                    scale = builder.shuffle_vector(scale, scale, ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-                    total = builder.sitofp(builder.add(*products), lanes)
-                    builder.store(builder.call(fma, [total, scale, builder.load(sums[r])]), sums[r])
+                    add_blocks(r, b, 8, builder.add(low, high))
+            with cgutils.for_range(builder, blocks, start=builder.mul(builder.udiv(blocks, i64(8)), i64(8))) as loop:
+                for r, total in enumerate(products(loop.index)):  # the last blocks one at a time
+                    add_blocks(r, loop.index, 1, total)
             reduce = function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, lanes])
-            totals = [builder.call(reduce, [f32(-0.0), builder.load(s)], fastmath=("reassoc",)) for s in sums]
+            totals = [builder.call(reduce, [f32(-0.0), builder.load(s)], fastmath=("reassoc",)) for s in acc]
             return context.make_tuple(builder, sig.return_type, totals)
 
-        arguments = (q, types.intp, d, types.intp, x, types.intp, scales, types.intp, types.intp, rows)
+        arguments = (q, types.intp, d, m, types.intp, x, types.intp, scales, sums, types.intp, types.intp, rows)
         return types.UniTuple(types.float32, count)(*arguments), codegen
 
     return dot
@@ -3019,12 +3054,12 @@ def pack_linears_cpu(model):
 # ---- The CPU path: a GGUF's 4-bit weights, for small batches ----
 # A decode step of a few sequences reads every weight once per step: its matmuls run at the memory's speed, and
 # a weight in 4 bits is a quarter of the bytes of bf16, an eighth of fp32's. A GGUF's Q4_1 blocks (32 weights:
-# 4-bit q, a scale d and a minimum m, w = q * d + m) are kept as the file has them (d and m in fp32, exactly), and
-# x . w of a block = d * (q . x) + m * sum(x). With AVX2 (_q4_1_loops), x in 16-bit integers by blocks of 32 (a
-# scale each: the block's largest |x| is 32767) and q . x in integers, as llama.cpp does in 8 bits: 16 keep each x
-# within 1 / 65534 of its block's largest, far inside the bf16 rounding of the other path. Without AVX2 or numba,
-# torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each stored as bf16
-# beside bf16 activations (its fast form; an fp32 model's rows are rounded to bf16 for it). Only up to
+# 4-bit q, a scale d and a minimum m, w = q * d + m) are kept as the file has them (d and m its fp16 bits: 20 bytes
+# a block), and x . w of a block = d * (q . x) + m * sum(x). With AVX2 (_q4_1_loops), x in 16-bit integers by
+# blocks of 32 (a scale each: the block's largest |x| is 32767) and q . x in integers, as llama.cpp does in 8 bits:
+# 16 keep each x within 1 / 65534 of its block's largest, far inside the bf16 rounding of the other path. Without
+# AVX2 or numba, torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each
+# stored as bf16 beside bf16 activations (its fast form; an fp32 model's rows are rounded to bf16 for it). Only up to
 # INT4_MAX_ROWS rows: from there on oneDNN's packed matmul, whose work per weight read is cheaper, is faster.
 
 INT4_MAX_ROWS = 8
@@ -3060,14 +3095,18 @@ class Int4Linear(PackedLinear):
 
 def attach_int4(linear, q, d, m):
     """Give a bf16 or fp32 PackedLinear the 4-bit copy of its weight, from q (out, in) in 0..15 and d, m
-    (out, in / 32) fp32: the file's blocks where the AVX2 loops compile, else torch's int4 layout if this torch has
-    the int4 CPU matmul; returns whether it did."""
+    (out, in / 32) fp32 values of fp16s (a GGUF's): the file's blocks where the AVX2 loops compile, else torch's int4
+    layout if this torch has the int4 CPU matmul; returns whether it did."""
     if not USE_CPU_INT4 or type(linear) is not PackedLinear:  # (packed: bf16 or fp32)
         return False
     if _numba() is not None and AVX2_Q4_1 and _compile_q4_1() is not None:  # (_numba() sets AVX2_Q4_1)
+        halves = [t.half() for t in (d, m)]
+        if not all(torch.equal(h.float(), t.float()) for h, t in zip(halves, (d, m))):
+            return False  # (scales that are not fp16s: the dense weight stays exact)
         blocks = q.view(q.shape[0], -1, Q4_1_BLOCK).to(torch.uint8)
         nibbles = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(q.shape[0], -1)  # (out, in / 2)
-        linear.q4_1 = tuple(t.contiguous().numpy() for t in (nibbles, d.float(), m.float()))
+        halves = [h.contiguous().view(torch.int16).numpy().view(np.uint16) for h in halves]  # (their bits)
+        linear.q4_1 = (nibbles.contiguous().numpy(), *halves)
     else:
         try:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -3082,8 +3121,8 @@ def attach_int4(linear, q, d, m):
 
 @functools.cache
 def _compile_q4_1():
-    x, q, d = np.zeros((1, Q4_1_BLOCK), np.float32), np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.float32)
-    probe = (x, q, d, d)  # one row, one block, its scale and minimum
+    x, q, d = np.zeros((1, Q4_1_BLOCK), np.float32), np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint16)
+    probe = (x, q, d, d)  # one row, one block, its scale and minimum (fp16 bits)
     return _compile(_q4_1_loops, probe, "the Q4_1 loops are off", "the 4-bit weights use torch's int4 matmul")
 
 
@@ -3092,8 +3131,8 @@ Q4_1_CHUNK = 16  # output rows a parallel job makes
 
 def _q4_1_loops(x, nibbles, d, m):
     """x @ w.T, w = q * d + m by blocks of 32: x (rows, k) fp32, nibbles (n, k / 2) uint8 (q, as the file's Q4_1
-    blocks), d and m (n, k / 32) fp32 -> (rows, n) fp32. x first in int16 by blocks (_q4_1_dot's products);
-    m * sum(x) in fp32."""
+    blocks), d and m (n, k / 32) uint16 (the file's fp16 bits) -> (rows, n) fp32. x first in int16 by blocks, with
+    each block's scale and sum (_q4_1_dot's products, and m * sum(x) in fp32)."""
     rows, k = x.shape
     n, blocks = nibbles.shape[0], k // Q4_1_BLOCK
     out = np.empty((rows, n), np.float32)
@@ -3115,22 +3154,17 @@ def _q4_1_loops(x, nibbles, d, m):
         for j in range(job * Q4_1_CHUNK, min(n, (job + 1) * Q4_1_CHUNK)):
             at = j * blocks * 16  # weight row j's blocks (its scales: j * blocks)
             for r in range(0, rows - 3, 4):  # four rows share each block's unpacked weights
-                totals = _q4_1_dot(nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 4)
+                totals = _q4_1_dot(nibbles, at, d, m, j * blocks, xq, r * k, scales, sums, r * blocks, blocks, 4)
                 for e in range(4):
                     out[r + e, j] = totals[e]
             if rows % 4 >= 2:  # then two, then one
                 r = rows - rows % 4
                 out[r, j], out[r + 1, j] = _q4_1_dot(
-                    nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 2
+                    nibbles, at, d, m, j * blocks, xq, r * k, scales, sums, r * blocks, blocks, 2
                 )
             if rows % 2:
                 r = rows - 1
-                out[r, j] = _q4_1_dot(nibbles, at, d, j * blocks, xq, r * k, scales, r * blocks, blocks, 1)[0]
-            for r in range(rows):
-                total = out[r, j]  # (a local: a sum into out[r, j] itself would wait on its store each block)
-                for b in range(blocks):
-                    total += m[j, b] * sums[r, b]
-                out[r, j] = total
+                out[r, j] = _q4_1_dot(nibbles, at, d, m, j * blocks, xq, r * k, scales, sums, r * blocks, blocks, 1)[0]
     return out
 
 

@@ -1150,14 +1150,14 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
 
 @pytest.mark.parametrize("rows, k, seed", [(1, 64, 0), (3, 576, 1), (8, 1536, 2)])
 def test_the_avx2_q4_1_loops_are_the_dequantized_matmul_within_16_bit_rounding(rows, k, seed):
-    """Where numba compiles for a CPU with AVX2, an Int4Linear's small calls take _q4_1_loops (the file's nibbles,
-    activations in int16 by blocks of 32): each output within the rounding of that int16 step (half a step, 1 /
-    65534 of the block's largest |x|, per weight) of the fp64 matmul with the dequantized weights; a non-finite
-    activation makes its row non-finite, as the matmul's would."""
+    """Where numba compiles for a CPU with AVX2, an Int4Linear's small calls take _q4_1_loops (the file's nibbles
+    and fp16 scales, activations in int16 by blocks of 32): each output within the rounding of that int16 step (half
+    a step, 1 / 65534 of the block's largest |x|, per weight) of the fp64 matmul with the dequantized weights; a
+    non-finite activation makes its row non-finite, as the matmul's would; scales that are not fp16s are refused."""
     torch.manual_seed(seed)
     n = 40
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    d, m = torch.rand(n, k // 32) * 0.02, torch.randn(n, k // 32) * 0.05
+    d, m = (torch.rand(n, k // 32) * 0.02).half().float(), (torch.randn(n, k // 32) * 0.05).half().float()  # a GGUF's
     w = (q.view(n, -1, 32) * d[..., None] + m[..., None]).view(n, k)
     linear = torch.nn.Linear(k, n, bias=False)
     linear.weight.data = w.clone()
@@ -1176,6 +1176,9 @@ def test_the_avx2_q4_1_loops_are_the_dequantized_matmul_within_16_bit_rounding(r
     assert (got.double() - want).abs().max() < (x.bfloat16().double() @ w.double().T - want).abs().max()  # < bf16's
     x[-1, k // 2] = float("nan")
     assert not linear(x)[-1].isfinite().any() and linear(x)[:-1].isfinite().all()
+    other = torch.nn.Linear(k, n, bias=False)  # scales that are not fp16s (no GGUF's): the dense weight stays
+    kernels.pack_linears_cpu(torch.nn.Sequential(other))
+    assert not kernels.attach_int4(other, q, d + 1e-7, m) and type(other) is kernels.PackedLinear
 
 
 def spy(fn, calls):
