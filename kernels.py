@@ -3168,6 +3168,71 @@ def _q4_1_loops(x, nibbles, d, m):
     return out
 
 
+# ---- The CPU path: a small decode step's layer as one chain of compiled calls ----
+# With the 4-bit weights, a one-row decode step's compiled code (the Q4_1 loops, attention, the C small ops) is about
+# two thirds of it; the rest is the Python between them: nine module calls a layer, each op's dispatch and checks,
+# tensor views, run cold after the matmuls have streamed their weights through the caches. decode_layer_cpu calls
+# the same compiled functions on the same inputs in the same order as the op-by-op path, so its results are the
+# same bits; the layer's modules are only read for their weights. It applies to fp32 layers whose four linears hold
+# Q4_1 blocks for the AVX2 loops, without biases or Qwen3's q/k norms (decode_layer_applies), in a decode step of up
+# to INT4_MAX_ROWS rows whose attention the compiled loops plan; the model's layers elsewhere run op by op.
+
+
+def decode_layer_applies(layer):
+    """Whether decode_layer_cpu can run this DecoderLayer (its weights; each step's inputs are checked per call)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (
+        all(type(lin) is Int4Linear and lin.q4_1 is not None and lin.bias is None for lin in linears)
+        and not hasattr(attn, "q_norm")
+        and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
+    )
+
+
+def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
+    """DecoderLayer.forward of a decode step (meta.decode_only) on fp32 rows, for a layer decode_layer_applies to:
+    -> (the MLP's output, residual + x + attention's output), residual updated in place as the norms do; or None
+    where the step is not one it runs (the caller runs the layer op by op)."""
+    plan, (k_cache, v_cache), slots = meta.attn_plan, kv_cache, meta.slot_mapping
+    rows, hidden = x.shape
+    if not (meta.decode_only and rows <= INT4_MAX_ROWS and plan is not None and not plan.prefill):
+        return None
+    if len(plan.decode) != 1 or not isinstance(plan.decode[0], DecodeRows) or len(plan.decode[0].rows) != rows:
+        return None
+    if not (x.dtype == residual.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and rope.is_contiguous()):
+        return None
+    if not (x.is_contiguous() and residual.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    norm, rotary, silu = _rms_norm_c(torch.float32), _rotary_c(torch.float32), _silu_and_mul_c(torch.float32)
+    q4_1, attention, g = _compile_q4_1(), _decode_loops(torch.float32), plan.decode[0]
+    if norm is None or rotary is None or silu is None or q4_1 is None or attention is None:
+        return None
+    attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def linear(a, lin):  # Int4Linear.forward's call: a (rows, in) fp32 numpy -> (rows, out) fp32 numpy
+        return q4_1(a.size * lin.out_features, a, *lin.q4_1)
+
+    h = torch.empty_like(x)
+    norm(x.data_ptr(), residual.data_ptr(), n1.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n1.eps)
+    qkv = torch.from_numpy(linear(h.numpy(), attn.qkv_proj))  # (rows, q | k | v): heads side by side
+    q, width = torch.empty(rows, heads, head_dim), qkv.shape[1]
+    k_at, v_at = qkv.data_ptr() + 4 * heads * head_dim, qkv.data_ptr() + 4 * (heads + kv_heads) * head_dim
+    pointers = (qkv.data_ptr(), k_at, v_at, rope.data_ptr(), slots.data_ptr(), q.data_ptr())
+    sizes = (rows, width, width, width, heads, kv_heads, head_dim, rows, k_cache.shape[0] * k_cache.shape[1])
+    rotary(*pointers, k_cache.data_ptr(), v_cache.data_ptr(), *sizes)  # q rotated; k rotated and v stored
+    o = np.empty((rows, heads * head_dim), np.float32)
+    bits = [t.view(torch.uint32).numpy() for t in (q, k_cache, v_cache)] + [0]  # (fp32's bits: no shift)
+    sequences = (g.parts, g.rows, g.block_tables, g.seq_lens, attn.scale)
+    attention(g.num_keys * heads * head_dim, *bits, *sequences, o.view(np.uint32).reshape(rows, heads, head_dim))
+    o = torch.from_numpy(linear(o, attn.o_proj))
+    norm(o.data_ptr(), residual.data_ptr(), n2.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n2.eps)
+    gate_up = torch.from_numpy(linear(h.numpy(), mlp.gate_up_proj))
+    act = torch.empty(rows, gate_up.shape[1] // 2)
+    silu(gate_up.data_ptr(), act.data_ptr(), *act.shape)
+    return torch.from_numpy(linear(act.numpy(), mlp.down_proj)), residual
+
+
 # A GGUF's Q8_0 matrix (the default model's embedding, tied: its lm_head) is blocks of 32 int8 weights q and an fp16
 # scale d, w = q * d. A small step reads the lm_head's weights once: 113 MB in fp32, 32 as the file's int8 values
 # and fp32 scales. For an fp32 model, Q8Linear's compiled loops take those (q * d in fp32 is exactly the model's

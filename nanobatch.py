@@ -2324,7 +2324,8 @@ def attach_gguf_int4(model, quantized, cfg):
     """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
     copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
     gate/up stacked as the model's weights are (merge_projections); in fp32 a Q8_0 lm_head (or tied embedding)
-    gets the file's 8-bit copy (kernels.attach_q8_0, the same steps)."""
+    gets the file's 8-bit copy (kernels.attach_q8_0, the same steps), and each layer whose linears all went 4-bit
+    runs its small decode steps as one chain of compiled calls (Int4DecoderLayer)."""
     q4_1 = {name: parts for name, parts in quantized.items() if len(parts) == 3}  # (Q8_0's are (q, d))
     q, d, m = (merge_projections({name: parts[i] for name, parts in q4_1.items()}, cfg) for i in range(3))
     for name, linear in model.named_modules():
@@ -2333,6 +2334,18 @@ def attach_gguf_int4(model, quantized, cfg):
     head = quantized.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", ())
     if len(head) == 2:
         kernels.attach_q8_0(model.lm_head, *head)
+    for layer in model.model.layers:
+        if kernels.decode_layer_applies(layer):
+            layer.__class__ = Int4DecoderLayer
+
+
+class Int4DecoderLayer(DecoderLayer):
+    """A DecoderLayer whose linears hold the file's Q4_1 blocks (fp32): a small decode step runs it as one chain of
+    compiled calls (kernels.decode_layer_cpu: the same calls and bits, without the Python between them)."""
+
+    def forward(self, x, residual, rope, kv_cache, meta):
+        out = kernels.decode_layer_cpu(self, x, residual, rope, kv_cache, meta)
+        return super().forward(x, residual, rope, kv_cache, meta) if out is None else out
 
 
 # ---- CPU threads: the cores other processes leave ----

@@ -1181,6 +1181,39 @@ def test_the_avx2_q4_1_loops_are_the_dequantized_matmul_within_16_bit_rounding(r
     assert not kernels.attach_int4(other, q, d + 1e-7, m) and type(other) is kernels.PackedLinear
 
 
+def test_a_q4_1_layer_runs_its_small_decode_steps_as_one_chain_of_calls_with_the_same_bits(
+    tiny_models, default_tokenizer, tmp_path, monkeypatch
+):
+    """An fp32 GGUF model whose layers' linears all went 4-bit (AVX2 loops; no biases, no q/k norm) runs a decode
+    step of up to INT4_MAX_ROWS rows through kernels.decode_layer_cpu: the same compiled calls as the op-by-op path,
+    so the same tokens and the same logprobs, bit for bit, with 3, 2 and 1 rows a step (and its prefills op by op)."""
+    path = write_gguf(tmp_path / "tiny-q4_1.gguf", tiny_models["llama-gqa-untied"][1], q4_1=True, q8_0=True)
+    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
+    llm = LLM(model=path, num_kv_blocks=64, enable_prefix_caching=False, **CPU)  # (each run's prefill the same)
+    if not all(type(layer) is nanobatch.Int4DecoderLayer for layer in llm.model.model.layers):
+        pytest.skip("numba is not installed, this CPU has no AVX2, or no oneDNN fp32 packing (no Q4_1 loops)")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (5, 19, 33)]
+    params = [SamplingParams(max_tokens=n, logprobs=3, **GREEDY) for n in (4, 8, 12)]
+    runs, decode_layer_cpu = set(), kernels.decode_layer_cpu
+
+    def chain(layer, x, *args):
+        out = decode_layer_cpu(layer, x, *args)
+        runs.add((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(kernels, "decode_layer_cpu", chain)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert sorted(runs) == [(1, True), (2, True), (3, True), (57, False)]  # (57: the prefill, op by op)
+    monkeypatch.setattr(kernels, "decode_layer_cpu", lambda *args: None)  # every step op by op
+    want = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == [
+            {t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs
+        ]
+
+
 def spy(fn, calls):
     def wrapper(*args):
         calls.append(args)
