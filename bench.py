@@ -620,8 +620,8 @@ class ForwardTimer:
     counted here, not in the host's share (nanobatch waits for each step's sampled tokens anyway, so this
     costs no overlap).
     On a CPU it also times the decode steps (every sequence brings one token) and the attention inside
-    them: kernels.paged_attention and its per-step plan (on a GPU the kernels run asynchronously, and
-    timing each would take a sync per layer).
+    them: kernels.paged_attention, its per-step plan, and a chained layer's kernels.attend_decode_rows (on a
+    GPU the kernels run asynchronously, and timing each would take a sync per layer).
     It also adds up the seconds in nanobatch.sample_fast, the sampler's tensor work over the logits
     (argmax, or sort and draw; device work on a GPU): part of the host's share, reported apart."""
 
@@ -647,8 +647,9 @@ class ForwardTimer:
             nanobatch.replay_graph = timed_run_model(nanobatch.replay_graph)
         forward = llm.model.forward  # an eager step calls the model itself
         llm.model.forward = functools.partial(timed_run_model(lambda llm, *args: forward(*args)), llm)
-        for name in ("paged_attention", "plan_paged_attention"):  # attention, and its plan (made by pack_inputs)
-            wrap_timed(kernels, name, add_attention_seconds)
+        # attention, its plan (made by pack_inputs), and a chained layer's attention (kernels.decode_layer_cpu's)
+        for name in ("paged_attention", "plan_paged_attention", "attend_decode_rows"):
+            wrap_timed(kernels, name, add_attention_seconds, outermost=True)
         wrap_timed(nanobatch, "sample_fast", add_sample_seconds, sync=True)  # what LLM.step calls to sample
         SAMPLE_TIMERS[:] = [self]  # the engine being measured (bench runs one at a time)
 
@@ -686,6 +687,7 @@ def timed_run_model(run_model):
 
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
+TIMING = [0]  # whether an outermost-timed call (wrap_timed) is running
 SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample_fast's seconds go to], once wrapped
 
 
@@ -698,21 +700,26 @@ def add_sample_seconds(seconds):
         timer.sample_seconds += seconds
 
 
-def wrap_timed(module, name, add_seconds, sync=False):
+def wrap_timed(module, name, add_seconds, sync=False, outermost=False):
     """Replace module.name (once per process: the engine calls it by its module-global name) with a wrapper
     that hands each call's seconds to add_seconds. sync: synchronise the first argument's device before and
-    after, so that on a GPU the work queued before the call is not counted and the call's own work is."""
+    after, so that on a GPU the work queued before the call is not counted and the call's own work is.
+    outermost: a call made inside another outermost-timed call is not counted again."""
     fn = getattr(module, name)
     if getattr(fn, "bench_timed", False):
         return
 
     def timed(*args, **kwargs):
+        if outermost and TIMING[0]:
+            return fn(*args, **kwargs)
+        TIMING[0] += outermost
         if sync:
             synchronize(args[0].device)
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            TIMING[0] -= outermost
             if sync:
                 synchronize(args[0].device)
             add_seconds(time.perf_counter() - start)
@@ -2405,7 +2412,7 @@ def report_engine_run(name, run, llm, extra, details, ideal=None):
         details.append(
             f"{name}: decode steps ({d['decode_steps']}): {d['step_ms']:.1f} ms each, "
             f"attention {d['attention_ms']:.1f} ms ({d['attention_share']:.1%}; "
-            "kernels.paged_attention and its per-step plan)"
+            "kernels.paged_attention, its per-step plan and kernels.attend_decode_rows)"
         )
     if run.peak_blocks:
         engine.update(peak_blocks_held=run.peak_blocks[0], peak_blocks_unshared=run.peak_blocks[1])

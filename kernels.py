@@ -1449,6 +1449,24 @@ def _plan(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, dty
     return plan
 
 
+def attend_decode_rows(loops, q, k_cache, v_cache, rows: DecodeRows, scale, out):
+    """The compiled decode loops (_decode_loops(dtype)) over a step's DecodeRows: q, the caches and out (q's shape,
+    contiguous) as their bits, no copy."""
+    bits, shift = LOOP_DTYPES[k_cache.dtype]
+    num_heads, head_dim = q.shape[1:]
+    loops(
+        rows.num_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
+        *(t.view(bits).numpy() for t in (q, k_cache, v_cache)),
+        shift,
+        rows.parts,
+        rows.rows,
+        rows.block_tables,
+        rows.seq_lens,
+        scale,
+        out.view(bits).numpy(),
+    )
+
+
 def _decode_group(seqs, lens, starts, block_tables, seq_lens, block_size, num_kv_heads):
     idx, n, num_keys = torch.tensor(seqs), len(seqs), lens[seqs[-1]]
     pos = torch.arange(num_keys).expand(n, num_keys)  # (n, L) key positions
@@ -1476,20 +1494,9 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         )  # (again: the loops cannot run it)
     out = torch.empty_like(q) if out is None else out  # (num_tokens, num_heads, head_dim)
     for g in plan.decode:
-        if isinstance(g, DecodeRows):  # the compiled loops: q, the caches and out as their bits, no copy
-            bits, shift = LOOP_DTYPES[k_cache.dtype]
+        if isinstance(g, DecodeRows):  # the compiled loops
             o = out if out.is_contiguous() else torch.empty_like(q)
-            loops(
-                g.num_keys * num_heads * head_dim,  # multiply-adds of q.k (and as many of p.v)
-                *(t.view(bits).numpy() for t in (q.contiguous(), k_cache, v_cache)),
-                shift,
-                g.parts,
-                g.rows,
-                g.block_tables,
-                g.seq_lens,
-                scale,
-                o.view(bits).numpy(),
-            )
+            attend_decode_rows(loops, q.contiguous(), k_cache, v_cache, g, scale, o)
             if o is not out:
                 out[g.rows] = o[g.rows]
             continue
@@ -3221,11 +3228,9 @@ def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
     pointers = (qkv.data_ptr(), k_at, v_at, rope.data_ptr(), slots.data_ptr(), q.data_ptr())
     sizes = (rows, width, width, width, heads, kv_heads, head_dim, rows, k_cache.shape[0] * k_cache.shape[1])
     rotary(*pointers, k_cache.data_ptr(), v_cache.data_ptr(), *sizes)  # q rotated; k rotated and v stored
-    o = np.empty((rows, heads * head_dim), np.float32)
-    bits = [t.view(torch.uint32).numpy() for t in (q, k_cache, v_cache)] + [0]  # (fp32's bits: no shift)
-    sequences = (g.parts, g.rows, g.block_tables, g.seq_lens, attn.scale)
-    attention(g.num_keys * heads * head_dim, *bits, *sequences, o.view(np.uint32).reshape(rows, heads, head_dim))
-    o = torch.from_numpy(linear(o, attn.o_proj))
+    o = torch.empty_like(q)
+    attend_decode_rows(attention, q, k_cache, v_cache, g, attn.scale, o)
+    o = torch.from_numpy(linear(o.view(rows, -1).numpy(), attn.o_proj))
     norm(o.data_ptr(), residual.data_ptr(), n2.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n2.eps)
     gate_up = torch.from_numpy(linear(h.numpy(), mlp.gate_up_proj))
     act = torch.empty(rows, gate_up.shape[1] // 2)
