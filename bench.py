@@ -43,7 +43,7 @@ Workloads (--workload):
                     driven by vLLM's own client (`vllm bench serve`, from --vllm-python's environment): N random
                     prompts of --max-prompt-len tokens, --max-output-len each, --max-concurrency at a time,
                     --client-runs runs a server (run r with seed r: no prompt repeats on a server); output tokens/s,
-                    median TTFT and TPOT per run
+                    median TTFT and TPOT per run; --rounds N: the servers in turn N times (A B, A B, ...)
     beam            N random prompts, beam search of width --beam-width (EOS ignored) to --max-output-len tokens
                     each; tokens count every returned beam (k x output length per request), "same out" compares
                     all k beams in order, and nanobatch also reports its peak KV blocks next to the blocks the same
@@ -195,7 +195,13 @@ WORKLOAD_FLAGS = {
         "rounds",
     ),  # every beam runs to max_output_len
     "host": ("max_prompt_len",),  # every sequence has max_prompt_len tokens, then HOST_DECODE_STEPS decode steps
-    "served": ("max_prompt_len", "max_output_len", "max_concurrency", "client_runs"),  # every prompt, output that long
+    "served": (
+        "max_prompt_len",
+        "max_output_len",
+        "max_concurrency",
+        "client_runs",
+        "rounds",
+    ),  # prompts, outputs that long
 }
 # Workload sizes by (device, workload). On the CPU they keep the whole default run to a few minutes; in
 # shared-prefix the prompt-length range is the length of each distinct question after the shared prefix.
@@ -1440,6 +1446,7 @@ class ServedRun:
     load: tuple | None = None  # the client runs': 1-minute load average before and after
     others_cores: float | None = None
     skipped: str = ""
+    round: int = 1  # --rounds: the servers' turn it ran in
 
 
 def free_port():
@@ -1508,14 +1515,17 @@ def serve_client(args, url, model, folder, system, seed):
 
 
 def run_served(args, model_path):
-    """--workload served: each system's server in turn, --client-runs runs of vLLM's client each (above)."""
+    """--workload served: each system's server in turn, --client-runs runs of vLLM's client each (above); with
+    --rounds, all of that again, round after round (a slow spell of a shared machine falls on every server)."""
     machine, runs = machine_info(), []
     folder = tempfile.mkdtemp(prefix="bench-served-")
     try:
         model = hf_folder(model_path, folder)  # a .gguf's weights dequantized: the same HF copy for every server
         with open(os.path.join(folder, "vllm_cli.py"), "w") as f:
             f.write(VLLM_CLI)
-        for system in args.systems:
+        for round_, system in ((i + 1, s) for i in range(args.rounds or 1) for s in args.systems):
+            if args.rounds and system == args.systems[0]:
+                print(f"[round {round_} of {args.rounds}]", file=sys.stderr, flush=True)
             print(f"[{system}] server up, then {args.client_runs} client runs ...", file=sys.stderr, flush=True)
             mine, load = [], None
             try:
@@ -1524,10 +1534,10 @@ def run_served(args, model_path):
                         r = serve_client(args, url, model, folder, system, seed)
                         failed = r.get("failed", args.num_requests - r["completed"])
                         numbers = (r["output_throughput"], r["median_ttft_ms"], r["median_tpot_ms"], r["completed"])
-                        mine.append(ServedRun(system, seed, *numbers, failed))
+                        mine.append(ServedRun(system, seed, *numbers, failed, round=round_))
                         print(f"[{system}] run {seed}: {numbers[0]:.1f} tok/s", file=sys.stderr, flush=True)
             except RuntimeError as e:
-                mine.append(ServedRun(system, 0, skipped=str(e)))
+                mine.append(ServedRun(system, 0, skipped=str(e), round=round_))
             for r in mine if load else []:
                 r.load, r.others_cores = load.averages, load.others_cores
             runs += mine
@@ -1547,31 +1557,39 @@ def run_served(args, model_path):
 
 
 def served_workload(args):
-    names = ("num_requests", "max_prompt_len", "max_output_len", "max_concurrency", "client_runs", "dtype")
+    names = ("num_requests", "max_prompt_len", "max_output_len", "max_concurrency", "client_runs", "rounds", "dtype")
     return {"name": "served", **{n: getattr(args, n) for n in names}}
 
 
 def format_served(runs):
-    header = f"{'system':12s} {'run':>4s} {'out tok/s':>10s} {'vs nanobatch':>13s} {'TTFT median':>12s} "
-    header += f"{'TPOT median':>12s} {'completed':>10s} {'failed':>7s}"
-    lines, ours = [header, "-" * len(header)], {r.seed: r for r in runs if r.system == "nanobatch" and not r.skipped}
+    rounds = max((r.round for r in runs), default=1) > 1  # (then a column for it)
+    header = f"{'system':12s}{' round' if rounds else ''} {'run':>4s} {'out tok/s':>10s} {'vs nanobatch':>13s} "
+    header += f"{'TTFT median':>12s} {'TPOT median':>12s} {'completed':>10s} {'failed':>7s}"
+    ours = {(r.round, r.seed): r for r in runs if r.system == "nanobatch" and not r.skipped}
+    lines = [header, "-" * len(header)]
     for r in runs:
+        turn = f" {r.round:5d}" if rounds else ""
         if r.skipped:
-            lines.append(f"{r.system:12s} skipped: {r.skipped}")
+            lines.append(f"{r.system:12s}{turn} skipped: {r.skipped}")
             continue
-        ratio = f"{r.output_tokens_per_s / ours[r.seed].output_tokens_per_s:.2f}x" if r.seed in ours else "-"
+        mine = ours.get((r.round, r.seed))
+        ratio = f"{r.output_tokens_per_s / mine.output_tokens_per_s:.2f}x" if mine else "-"
         lines.append(
-            f"{r.system:12s} {r.seed:4d} {r.output_tokens_per_s:10.1f} {ratio:>13s} {r.median_ttft_ms:9.0f} ms "
+            f"{r.system:12s}{turn} {r.seed:4d} {r.output_tokens_per_s:10.1f} {ratio:>13s} {r.median_ttft_ms:9.0f} ms "
             f"{r.median_tpot_ms:9.1f} ms {r.completed:10d} {r.failed:7d}"
         )
-    loads = {r.system: r for r in runs if r.load}
+    if rounds:  # each system's median run over the rounds
+        for system in dict.fromkeys(r.system for r in runs if not r.skipped):
+            speeds = sorted(r.output_tokens_per_s for r in runs if r.system == system and not r.skipped)
+            lines.append(f"{system}: median of {len(speeds)} runs {statistics.median(speeds):.1f} tok/s")
+    loads = {(r.system, r.round): r for r in runs if r.load}
     lines.append(
         "load average before -> after each server's client runs, and the CPU other processes took meanwhile: "
         + ", ".join(
-            f"{s} {r.load[0]:.1f} -> {r.load[1]:.1f}"
+            f"{s}{f' (round {turn})' if rounds else ''} {r.load[0]:.1f} -> {r.load[1]:.1f}"
             + ("" if r.others_cores is None else f" (others {r.others_cores:.2f} cores)")
             + (" BUSY" if (r.others_cores or 0) > MachineLoad.BUSY_CORES else "")
-            for s, r in loads.items()
+            for (s, turn), r in loads.items()
         )
     )
     return "\n".join(lines)

@@ -6838,6 +6838,28 @@ def test_bench_served_runs_each_server_under_the_client_with_a_seed_a_run(tiny_m
     assert "nanobatch.py --serve" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
+def test_bench_served_rounds_show_each_run_with_its_round_and_ratio():
+    """--workload served --rounds: each run's row names its round, its ratio is against nanobatch's run of that
+    round and seed, and each system's median run over the rounds is printed."""
+    import bench
+
+    runs = [
+        bench.ServedRun(system, seed, speed, round=turn)
+        for turn, (ours, theirs) in ((1, (100.0, 80.0)), (2, (90.0, 120.0)))
+        for system, speed in (("nanobatch", ours), ("vllm", theirs))
+        for seed in (1, 2)
+    ]
+    lines = bench.format_served(runs).splitlines()
+    rows = [line.split() for line in lines if line.startswith(("nanobatch ", "vllm "))]
+    assert [(r[0], r[1], r[2], r[4]) for r in rows if r[0] == "vllm"] == [
+        ("vllm", "1", "1", "0.80x"),
+        ("vllm", "1", "2", "0.80x"),
+        ("vllm", "2", "1", "1.33x"),
+        ("vllm", "2", "2", "1.33x"),
+    ]
+    assert "nanobatch: median of 4 runs 95.0 tok/s" in lines and "vllm: median of 4 runs 100.0 tok/s" in lines
+
+
 # ---- CLI ----
 
 
