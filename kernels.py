@@ -3067,9 +3067,11 @@ def pack_linears_cpu(model):
 # 16 keep each x within 1 / 65534 of its block's largest, far inside the bf16 rounding of the other path. Without
 # AVX2 or numba, torch's int4 CPU matmul, which computes (q - 8) * scale + zero: scale = d, zero = m + 8 * d, each
 # stored as bf16 beside bf16 activations (its fast form; an fp32 model's rows are rounded to bf16 for it). Only up to
-# INT4_MAX_ROWS rows: from there on oneDNN's packed matmul, whose work per weight read is cheaper, is faster.
+# INT4_MAX_ROWS rows: from there on oneDNN's packed matmul, whose work per weight read is cheaper, is faster; an
+# fp32 model's calls take the AVX2 loops up to Q4_1_MAX_ROWS rows (oneDNN's fp32 matmul passes them at ~24).
 
 INT4_MAX_ROWS = 8
+Q4_1_MAX_ROWS = 16
 Q4_1_BLOCK = 32
 
 
@@ -3084,11 +3086,14 @@ def q4_1_parts(raw, shape):
 
 
 class Int4Linear(PackedLinear):
-    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to INT4_MAX_ROWS rows:
+    """PackedLinear with a second, 4-bit copy of its weight (attach_int4) for calls of up to max_rows rows:
     the file's blocks for _q4_1_loops (.q4_1: nibbles, d, m), else torch's int4 layout (.int4)."""
 
+    def max_rows(self, dtype):
+        return Q4_1_MAX_ROWS if self.q4_1 is not None and dtype == torch.float32 else INT4_MAX_ROWS
+
     def forward(self, x):
-        if x.dim() != 2 or x.shape[0] > INT4_MAX_ROWS:
+        if x.dim() != 2 or x.shape[0] > self.max_rows(x.dtype):
             return super().forward(x)
         if self.q4_1 is not None:  # (numpy arrays: a tensor's .numpy() costs ~2 us a call)
             rows = x.float().contiguous().numpy()
@@ -3182,7 +3187,8 @@ def _q4_1_loops(x, nibbles, d, m):
 # the same compiled functions on the same inputs in the same order as the op-by-op path, so its results are the
 # same bits; the layer's modules are only read for their weights. It applies to fp32 layers whose four linears hold
 # Q4_1 blocks for the AVX2 loops, without biases or Qwen3's q/k norms (decode_layer_applies), in a decode step of up
-# to INT4_MAX_ROWS rows whose attention the compiled loops plan; the model's layers elsewhere run op by op.
+# to Q4_1_MAX_ROWS rows whose attention the compiled loops plan and whose small ops take their C functions; the
+# model's layers elsewhere run op by op.
 
 
 def decode_layer_applies(layer):
@@ -3202,7 +3208,7 @@ def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
     where the step is not one it runs (the caller runs the layer op by op)."""
     plan, (k_cache, v_cache), slots = meta.attn_plan, kv_cache, meta.slot_mapping
     rows, hidden = x.shape
-    if not (meta.decode_only and rows <= INT4_MAX_ROWS and plan is not None and not plan.prefill):
+    if not (meta.decode_only and rows <= Q4_1_MAX_ROWS and plan is not None and not plan.prefill):
         return None
     if len(plan.decode) != 1 or not isinstance(plan.decode[0], DecodeRows) or len(plan.decode[0].rows) != rows:
         return None
@@ -3210,12 +3216,14 @@ def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
         return None
     if not (x.is_contiguous() and residual.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    norm, rotary, silu = _rms_norm_c(torch.float32), _rotary_c(torch.float32), _silu_and_mul_c(torch.float32)
-    q4_1, attention, g = _compile_q4_1(), _decode_loops(torch.float32), plan.decode[0]
-    if norm is None or rotary is None or silu is None or q4_1 is None or attention is None:
-        return None
     attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if rows * hidden >= LOOP_MIN_WORK or rows * (heads + kv_heads) * head_dim >= ROTARY_C_WORK:
+        return None  # (the norms and rotary take their threaded loops there, not the C functions)
+    norm, rotary = _rms_norm_c(torch.float32), _rotary_c(torch.float32)
+    q4_1, attention, g = _compile_q4_1(), _decode_loops(torch.float32), plan.decode[0]
+    if norm is None or rotary is None or q4_1 is None or attention is None:
+        return None
 
     def linear(a, lin):  # Int4Linear.forward's call: a (rows, in) fp32 numpy -> (rows, out) fp32 numpy
         return q4_1(a.size * lin.out_features, a, *lin.q4_1)
@@ -3232,9 +3240,7 @@ def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
     attend_decode_rows(attention, q, k_cache, v_cache, g, attn.scale, o)
     o = torch.from_numpy(linear(o.view(rows, -1).numpy(), attn.o_proj))
     norm(o.data_ptr(), residual.data_ptr(), n2.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n2.eps)
-    gate_up = torch.from_numpy(linear(h.numpy(), mlp.gate_up_proj))
-    act = torch.empty(rows, gate_up.shape[1] // 2)
-    silu(gate_up.data_ptr(), act.data_ptr(), *act.shape)
+    act = silu_and_mul(torch.from_numpy(linear(h.numpy(), mlp.gate_up_proj)))  # (its C function, or its loops)
     return torch.from_numpy(linear(act.numpy(), mlp.down_proj)), residual
 
 

@@ -1108,7 +1108,7 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
 ):
     """A GGUF's Q4_1 matrices loaded on a CPU in bf16 or fp32: every layer's linear gets a 4-bit copy (rows in HF's
     order, q/k/v and gate/up stacked as the model's weight: each column read through the int4 matmul is the model's
-    weight's, within the bf16 rounding of its scale and minimum), used by calls of up to INT4_MAX_ROWS rows (an
+    weight's, within the bf16 rounding of its scale and minimum), used by calls of up to max_rows rows (an
     fp32 model's rows rounded to bf16 for it, its output fp32); in fp32 the Q8_0 lm_head (or tied embedding) the
     file's 8-bit copy (the model's weights exactly); greedy tokens equal those of the same file without the copies
     (NANOBATCH_CPU_INT4=0)."""
@@ -1128,11 +1128,12 @@ def test_a_q4_1_gguf_on_a_cpu_reads_its_4_bit_weights_in_small_steps(
         columns = torch.eye(linear.in_features, dtype=getattr(torch, dtype))
         exact = linear is linears[-1]  # the Q8_0 weights are the fp32 model's (in bf16: the same packed weights)
         exact |= dtype == "float32" and getattr(linear, "q4_1", None) is not None  # (the AVX2 loops: fp32 sums)
-        for rows in columns.split(kernels.INT4_MAX_ROWS):
+        limit = linear.max_rows(columns.dtype) if type(linear) is kernels.Int4Linear else kernels.INT4_MAX_ROWS
+        for rows in columns.split(limit):
             got, want = linear(rows), kernels.PackedLinear.forward(linear, rows)
             assert got.dtype == want.dtype == rows.dtype
             torch.testing.assert_close(got.float(), want.float(), **({} if exact else dict(rtol=2e-2, atol=2e-2)))
-        many = torch.randn(kernels.INT4_MAX_ROWS + 1, linear.in_features).to(rows.dtype)
+        many = torch.randn(limit + 1, linear.in_features).to(rows.dtype)
         assert torch.equal(linear(many), kernels.PackedLinear.forward(linear, many))  # more rows: the model's weights
     rng = random.Random(family)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (7, 40)]
@@ -1185,16 +1186,17 @@ def test_a_q4_1_layer_runs_its_small_decode_steps_as_one_chain_of_calls_with_the
     tiny_models, default_tokenizer, tmp_path, monkeypatch
 ):
     """An fp32 GGUF model whose layers' linears all went 4-bit (AVX2 loops; no biases, no q/k norm) runs a decode
-    step of up to INT4_MAX_ROWS rows through kernels.decode_layer_cpu: the same compiled calls as the op-by-op path,
-    so the same tokens and the same logprobs, bit for bit, with 3, 2 and 1 rows a step (and its prefills op by op)."""
+    step of up to Q4_1_MAX_ROWS rows through kernels.decode_layer_cpu: the same compiled calls as the op-by-op path,
+    so the same tokens and the same logprobs, bit for bit, with 12, 3, 2 and 1 rows a step (its prefill op by op)."""
     path = write_gguf(tmp_path / "tiny-q4_1.gguf", tiny_models["llama-gqa-untied"][1], q4_1=True, q8_0=True)
     monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
     llm = LLM(model=path, num_kv_blocks=64, enable_prefix_caching=False, **CPU)  # (each run's prefill the same)
     if not all(type(layer) is nanobatch.Int4DecoderLayer for layer in llm.model.model.layers):
         pytest.skip("numba is not installed, this CPU has no AVX2, or no oneDNN fp32 packing (no Q4_1 loops)")
     rng = random.Random(0)
-    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in (5, 19, 33)]
-    params = [SamplingParams(max_tokens=n, logprobs=3, **GREEDY) for n in (4, 8, 12)]
+    lengths, max_tokens = (5, 19, 33, *range(3, 12)), (4, 8, 12, *[2] * 9)  # 12 rows, then 3, 2 and 1
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=n, logprobs=3, **GREEDY) for n in max_tokens]
     runs, decode_layer_cpu = set(), kernels.decode_layer_cpu
 
     def chain(layer, x, *args):
@@ -1204,7 +1206,7 @@ def test_a_q4_1_layer_runs_its_small_decode_steps_as_one_chain_of_calls_with_the
 
     monkeypatch.setattr(kernels, "decode_layer_cpu", chain)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert sorted(runs) == [(1, True), (2, True), (3, True), (57, False)]  # (57: the prefill, op by op)
+    assert sorted(runs) == [(1, True), (2, True), (3, True), (12, True), (sum(lengths), False)]  # (the prefill)
     monkeypatch.setattr(kernels, "decode_layer_cpu", lambda *args: None)  # every step op by op
     want = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(got, want):
