@@ -3214,7 +3214,7 @@ def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
         return None
     if not (x.dtype == residual.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and rope.is_contiguous()):
         return None
-    if not (x.is_contiguous() and residual.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if not all(t.is_contiguous() for t in (x, residual, k_cache, v_cache, slots)):  # (read through data pointers)
         return None
     attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim

@@ -2322,7 +2322,7 @@ def freeze_gc_heap():
 
 def attach_gguf_int4(model, quantized, cfg):
     """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
-    copy of its weight (kernels.attach_int4: used by steps of up to kernels.INT4_MAX_ROWS rows), q/k/v and
+    copy of its weight (kernels.attach_int4: used by steps of up to Int4Linear.max_rows rows), q/k/v and
     gate/up stacked as the model's weights are (merge_projections); in fp32 a Q8_0 lm_head (or tied embedding)
     gets the file's 8-bit copy (kernels.attach_q8_0, the same steps), and each layer whose linears all went 4-bit
     runs its small decode steps as one chain of compiled calls (Int4DecoderLayer)."""
