@@ -684,6 +684,112 @@ def rotary_triton(q, k, rope, q_norm=None, k_norm=None, eps=0.0):
     return q, k
 
 
+# ---- Triton: a linear layer over a few rows (a small decode batch) ----
+# A decode step of a few sequences reads every weight once and does 2 FLOPs a weight: its matmuls run at the
+# memory's speed, and their time is the weight's bytes over the bandwidth, or should be. For one row times a
+# wide weight cuBLAS picks kernels far from that (o_proj's 1 x 2,048 x 1,024 in bf16 took 10 us inside a graph
+# on an H200, 0.4 TB/s; down_proj a split-K kernel plus a reduce). This one streams the weight: a program
+# reduces BLOCK_N outputs of one row over K, BLOCK_K columns at a time, in fp32, rounded once at the end as
+# cuBLAS rounds. A weight a few MB large stays in L2 for the next row's programs.
+
+
+@triton.jit
+def _linear_rows_kernel(
+    x_ptr,  # (rows, K)
+    w_ptr,  # (N, K), nn.Linear's layout
+    bias_ptr,  # (N,) (read only with HAS_BIAS)
+    out_ptr,  # (rows, N)
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_out,  # row strides (the last dims are contiguous)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K))
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+LINEAR_ROWS_MAX = 1  # rows up to which nn.Linears on a GPU take _linear_rows_kernel (RowsLinear); cuBLAS above
+LINEAR_TILE = 4096  # weight elements a program loads at a time: BLOCK_N x BLOCK_K
+LINEAR_WARPS = 4
+
+
+def _linear_tiles(K):
+    """(BLOCK_N, BLOCK_K) for a weight K columns wide: the whole row in one pass where it fits the tile."""
+    block_k = min(triton.next_power_of_2(K), LINEAR_TILE)
+    return max(1, LINEAR_TILE // block_k), block_k
+
+
+def linear_rows_triton(x, weight, bias=None):
+    """F.linear(x, weight, bias) for 2-D x, by _linear_rows_kernel (fp32 sums, rounded once to x's dtype)."""
+    _check_triton("linear_rows_triton", x, weight)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.stride(-1) != 1:
+        raise ValueError(
+            f"linear_rows_triton: x (rows, K) and a row-major weight (N, K), got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)} with strides {weight.stride()}"
+        )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    (rows, K), N = x.shape, weight.shape[0]
+    out = torch.empty(rows, N, dtype=x.dtype, device=x.device)  # (rows, N)
+    if rows:
+        block_n, block_k = _linear_tiles(K)
+        with _on_device(x):
+            _linear_rows_kernel[(triton.cdiv(N, block_n), rows)](
+                x,
+                weight,
+                weight if bias is None else bias,
+                out,
+                N,
+                K,
+                x.stride(0),
+                weight.stride(0),
+                out.stride(0),
+                HAS_BIAS=bias is not None,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                num_warps=LINEAR_WARPS,
+            )
+    return out
+
+
+class RowsLinear(torch.nn.Linear):
+    """An nn.Linear on a GPU that runs steps of up to LINEAR_ROWS_MAX rows by _linear_rows_kernel (use_rows_linear
+    swaps this class in); larger ones by F.linear (cuBLAS)."""
+
+    def forward(self, x):
+        if x.dim() == 2 and x.shape[0] <= LINEAR_ROWS_MAX:
+            return linear_rows_triton(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def prepare_linears(model):
+    """load_model's last step for the matmuls: a CPU packs the weights (pack_linears_cpu), a GPU with Triton
+    runs its small steps' matmuls by _linear_rows_kernel (use_rows_linear); elsewhere nothing."""
+    pack_linears_cpu(model)
+    use_rows_linear(model)
+
+
+def use_rows_linear(model):
+    """A model on a GPU with Triton: its decoder layers' nn.Linears become RowsLinears (the lm_head, a weight
+    hundreds of MB large, streams at the memory's speed through cuBLAS already). Elsewhere nothing."""
+    layers = [m for m in model.model.layers.modules() if type(m) is torch.nn.Linear]
+    if layers and layers[0].weight.is_cuda and _use_triton(layers[0].weight):
+        for m in layers:
+            m.__class__ = RowsLinear
+
+
 # ---- Triton: paged_attention ----
 # Grid (num_q_blocks, num_kv_heads, segments: 1 unless split-KV). A program owns one kv head and BLOCK_Q
 # consecutive query tokens of one sequence. GQA packing: the NUM_QUERIES_PER_KV
@@ -903,9 +1009,9 @@ def _merge_segments_kernel(
 SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 CPU_CC = 80  # the arch whose tiles the interpreter runs (tests run the others' too)
 MAX_SEGMENTS = 16  # split-KV: most segments per sequence
-MIN_SEGMENT_KEYS = (
-    256  # split-KV: fewest keys a segment is worth (a multiple of every TILE_N), at launch and in the kernel
-)
+# split-KV: fewest keys a segment is worth (a multiple of every TILE_N), at launch and in the kernel; on an H200 a
+# batch-1 graph of 562-key decodes replayed in 1.06 ms with 64, 1.10 with 128, 1.19 with 256
+MIN_SEGMENT_KEYS = 64
 
 
 def tile_config(cc, dtype, head_dim_padded, group, phase):
@@ -1194,8 +1300,8 @@ def compile_static(cc, dtype, head_dim, group, phase, block_size=16):
 
 def compile_static_small_ops(cc, dtype, width):
     """Compile the layer's small-op kernels as their wrappers launch them for rows of `width` values (RMSNorm: the
-    hidden size; SiLU * up: the intermediate size; rotary: head_dim, with Qwen3's q/k norm) on compute capability
-    cc, with no GPU: rows as compile_static's (head_dim holds the width)."""
+    hidden size; SiLU * up: the intermediate size; the few-row matmul: K; rotary: head_dim, with Qwen3's q/k norm)
+    on compute capability cc, with no GPU: rows as compile_static's (head_dim holds the width)."""
     if TRITON_INTERPRET or _TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(
             "compile_static_small_ops: needs triton installed and TRITON_INTERPRET unset before kernels.py is imported"
@@ -1205,9 +1311,11 @@ def compile_static_small_ops(cc, dtype, width):
         min(1024, triton.next_power_of_2(width)),
         triton.next_power_of_2(width // 2),
     )
+    bn, bk = _linear_tiles(width)  # a weight `width` columns wide
     builds = [
         ("rms_norm+residual", _rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=norm), _row_warps(norm), f"BLOCK {norm}"),
         ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=silu), _row_warps(silu), f"BLOCK {silu}"),
+        ("linear_rows", _linear_rows_kernel, dict(HAS_BIAS=True, BLOCK_N=bn, BLOCK_K=bk), LINEAR_WARPS, f"{bn}x{bk}"),
     ]
     if width <= MAX_HEAD_DIM:
         builds.append(

@@ -855,7 +855,7 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         model.lm_head.weight = model.model.embed_tokens.weight
     if tp is not None:
         tp.parallelize(model, cfg)  # hook (tp.py): the all-reduces and the logits gather
-    kernels.pack_linears_cpu(model)  # a CPU: weights in oneDNN's layout, once; elsewhere nothing
+    kernels.prepare_linears(model)  # a CPU: weights in oneDNN's layout, once; a GPU: small steps' matmuls by Triton
     if quantized:  # hook (CPU 4-bit weights): small steps read the GGUF's 4-bit weights
         attach_gguf_int4(model, quantized, cfg)
     return model, tokenizer, cfg, hf_config
@@ -2083,17 +2083,8 @@ def capture_cuda_graphs(llm, force=False):
 
 def _capture_buckets(llm):
     start, n, dev = time.perf_counter(), llm.config.max_num_seqs, llm.device
-    buffers = dict(
-        input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-        positions=torch.zeros(n, dtype=torch.int64, device=dev),
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-        seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
-        block_tables=torch.zeros(n, llm.block_tables.table.shape[1], dtype=torch.int32, device=dev),
-    )
-    query_start_loc, rows = (
-        torch.arange(n + 1, dtype=torch.int32, device=dev),
-        torch.arange(n, dtype=torch.int64, device=dev),
-    )
+    llm.graph_inputs = GraphInputs(n, llm.block_tables.table.shape[1], dev)
+    buffers, query_start_loc, rows = llm.graph_inputs.tensors, llm.graph_inputs.query_start_loc, llm.graph_inputs.rows
     logits = torch.empty(
         n, llm.model.lm_head.out_features, dtype=llm.config.torch_dtype, device=dev
     )  # every graph's output
@@ -2131,17 +2122,99 @@ def replay_graph(llm, input_ids, positions, meta):
     num_seqs = meta.seq_lens.shape[0]
     bucket = min(b for b in llm.cuda_graphs if b >= num_seqs)
     graph, static, logits = llm.cuda_graphs[bucket]
-    width = meta.block_tables.shape[1]
-    static["input_ids"][:num_seqs].copy_(input_ids)
-    static["positions"][:num_seqs].copy_(positions)
-    static["slot_mapping"][:num_seqs].copy_(meta.slot_mapping)
-    static["slot_mapping"][num_seqs:].fill_(-1)  # padding rows write no K/V
-    static["seq_lens"][:num_seqs].copy_(meta.seq_lens)
-    static["seq_lens"][num_seqs:].fill_(1)
-    static["block_tables"][:num_seqs, :width].copy_(meta.block_tables)
+    if input_ids.data_ptr() != static["input_ids"].data_ptr():  # not packed into the graphs' inputs (pack_graph_step)
+        width = meta.block_tables.shape[1]
+        static["input_ids"][:num_seqs].copy_(input_ids)
+        static["positions"][:num_seqs].copy_(positions)
+        static["slot_mapping"][:num_seqs].copy_(meta.slot_mapping)
+        static["slot_mapping"][num_seqs:].fill_(-1)  # padding rows write no K/V
+        static["seq_lens"][:num_seqs].copy_(meta.seq_lens)
+        static["seq_lens"][num_seqs:].fill_(1)
+        static["block_tables"][:num_seqs, :width].copy_(meta.block_tables)
     with kernels._on_device(llm.kv_pool):
         graph.replay()
     return logits[:num_seqs]
+
+
+class GraphInputs:
+    """The decode graphs' static inputs, which every graph reads at the addresses it was captured with: views of one
+    device buffer, and the same views of a host twin (pinned on a GPU) as numpy arrays. pack_graph_step writes a
+    decode step into the twin with a few list-to-array assignments (a torch op costs several times as much) and moves
+    it in one copy. The copy is not waited for: before the next one, the step that made it has synchronised (it
+    sampled every row and read the ids back)."""
+
+    FIELDS = (  # (name, dtype, rows' width): the block tables last, so that a step copies only its bucket's rows
+        ("input_ids", torch.int64, 0),
+        ("positions", torch.int64, 0),
+        ("slot_mapping", torch.int64, 0),
+        ("seq_lens", torch.int32, 0),
+        ("block_tables", torch.int32, 1),
+    )
+
+    def __init__(self, n, width, device):
+        shapes = {name: (n, width) if wide else (n,) for name, _, wide in self.FIELDS}
+        offsets, total = {}, 0
+        for name, dtype, _ in self.FIELDS:  # (every field is a multiple of 4 bytes, the 8-byte ones first: aligned)
+            offsets[name], total = total, total + math.prod(shapes[name]) * dtype.itemsize
+        host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")  # (bytes,)
+        dev = torch.zeros(total, dtype=torch.uint8, device=device)  # (bytes,)
+        self.tensors, self.arrays = {}, {}
+        for name, dtype, _ in self.FIELDS:
+            span = slice(offsets[name], offsets[name] + math.prod(shapes[name]) * dtype.itemsize)
+            self.tensors[name] = dev[span].view(dtype).view(shapes[name])
+            self.arrays[name] = host[span].view(dtype).view(shapes[name]).numpy()  # shares the memory
+        self.arrays["slot_mapping"][:], self.arrays["seq_lens"][:] = -1, 1  # padding rows: no K/V written, one key
+        dev.copy_(host)
+        # per bucket, the bytes it copies (up to its rows of the block tables); per batch size, what pack returns
+        ends = {b: offsets["block_tables"] + b * width * 4 for b in graph_batch_sizes(n)}
+        self.spans = {b: (dev[:end], host[:end]) for b, end in ends.items()}
+        self.bucket = [None] + [min(b for b in self.spans if b >= i) for i in range(1, n + 1)]  # batch size -> bucket
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token a sequence
+        self.rows = torch.arange(n, dtype=torch.int64, device=device)  # every row samples
+        self.returned = {}  # batch size -> (input_ids, positions, meta): views, made once
+
+    def views(self, n):
+        if n not in self.returned:
+            t = self.tensors
+            meta = BatchMetadata(
+                query_start_loc=self.query_start_loc[: n + 1],
+                seq_lens=t["seq_lens"][:n],
+                slot_mapping=t["slot_mapping"][:n],
+                block_tables=t["block_tables"][:n],
+                logits_indices=self.rows[:n],
+                decode_only=True,
+            )
+            self.returned[n] = (t["input_ids"][:n], t["positions"][:n], meta)
+        return self.returned[n]
+
+
+def is_graph_step(llm, batch):
+    """A decode-only step that a CUDA graph will replay: one token a sequence, each sampling, no prompt logprobs."""
+    return (
+        llm.cuda_graphs is not None
+        and all(
+            n == 1 and s.num_computed_tokens + 1 == len(s.token_ids) for s, n in zip(batch.seqs, batch.num_new_tokens)
+        )
+        and not prompt_logprob_rows(batch)[0]
+    )
+
+
+def pack_graph_step(llm, batch):
+    """pack_inputs for a step that is_graph_step: written straight into the graphs' inputs (GraphInputs) on the host,
+    then one copy. Returns pack_inputs' tuple, its tensors views of those inputs (replay_graph copies nothing)."""
+    g, seqs, bs, n = llm.graph_inputs, batch.seqs, llm.config.block_size, len(batch.seqs)
+    a, bucket = g.arrays, g.bucket[n]
+    last = [len(s.token_ids) - 1 for s in seqs]  # each sequence's new token's position
+    a["input_ids"][:n] = [s.token_ids[-1] for s in seqs]
+    a["positions"][:n] = last
+    a["slot_mapping"][:n] = [s.slot(p, bs) for s, p in zip(seqs, last)]
+    a["slot_mapping"][n:bucket] = -1  # padding rows write no K/V
+    a["seq_lens"][:n], a["seq_lens"][n:bucket] = [p + 1 for p in last], 1
+    width = max(len(s.block_ids) for s in seqs)  # the rest of a row is never read
+    a["block_tables"][:n, :width] = llm.block_tables.array[llm.block_tables.rows(seqs), :width]
+    dev, host = g.spans[bucket]
+    dev.copy_(host, non_blocking=True)
+    return *g.views(n), list(seqs), []
 
 
 # ---- Stats, and host-speed habits ----
@@ -2193,12 +2266,13 @@ class BlockTables:
 
     def __init__(self, num_rows, max_blocks_per_seq):
         self.table = torch.zeros(num_rows, max_blocks_per_seq, dtype=torch.int32)  # (rows, max blocks)
+        self.array = self.table.numpy()  # the same memory, for numpy's indexing (pack_graph_step)
         self.free_rows = list(range(num_rows))
         self.row_of = {}  # running sequence -> its row
         self.synced = {}  # running sequence -> the block ids its row holds
 
     def rows(self, seqs):
-        """The rows of seqs, brought up to date. Returns a (num_seqs,) int64 host tensor."""
+        """The rows of seqs, brought up to date. Returns a list of num_seqs row indices."""
         for seq in [s for s in self.row_of if s.status != RUNNING]:  # preempted or finished since the last step
             row = self.row_of.pop(seq)
             self.table[row, : len(self.synced.pop(seq))] = 0  # padding reads 0, as in the plain packing's tables
@@ -2215,7 +2289,7 @@ class BlockTables:
                 self.table[row, first : len(ids)] = torch.tensor(ids[first:], dtype=torch.int32)
                 self.synced[seq] = list(ids)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.int64)
+        return rows
 
 
 class PinnedCopy:
@@ -2258,7 +2332,10 @@ def pack_inputs(llm, batch):
     are vectorised over the batch's tokens; the block tables are gathered from BlockTables' persistent rows (one
     index op, not rebuilt from nested lists); all of them reach the device in one copy, not waited for. Also the
     CPU attention's per-step plan, shared by every layer (which rows decode, and how: compiled loops or torch
-    groups; None on Triton). On a GPU the tensors go in one copy from pinned memory (PinnedCopy)."""
+    groups; None on Triton). On a GPU the tensors go in one copy from pinned memory (PinnedCopy); a step that a
+    CUDA graph replays goes straight into the graph's inputs (pack_graph_step)."""
+    if is_graph_step(llm, batch):
+        return pack_graph_step(llm, batch)
     bs = llm.config.block_size
     input_ids, seq_lens, sample_rows, sampled = [], [], [], []
     start = 0
@@ -2281,7 +2358,9 @@ def pack_inputs(llm, batch):
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
         # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
         positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
-    rows = llm.block_tables.rows(batch.seqs)  # (num_seqs,), and writes only what changed since the last step
+    rows = torch.tensor(
+        llm.block_tables.rows(batch.seqs)
+    )  # (num_seqs,), and writes only what changed since the last step
     max_blocks = max(len(s.block_ids) for s in batch.seqs)
     block_tables = llm.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
     slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # block id * block_size + offset

@@ -1601,10 +1601,10 @@ def test_generate_never_takes_an_id_whose_final_output_is_still_to_come(tiny_llm
         and len(out.outputs[0].token_ids) == 8
     )
     later = [o for o in tiny_llm.step() if o.finished]
-    assert sorted((o.request_id, o.outputs[0].finish_reason) for o in later) == [
-        (taken[0], "length"),
-        (taken[1], "abort"),
-    ]
+    assert len(later) == 2 and {o.request_id: o.outputs[0].finish_reason for o in later} == {
+        taken[0]: "length",
+        taken[1]: "abort",
+    }
     assert (
         not tiny_llm.has_unfinished_requests() and tiny_llm.allocator.num_free_blocks == tiny_llm.allocator.num_blocks
     )
@@ -3762,8 +3762,9 @@ def test_num_segments_from_shapes():
     assert kernels.num_segments(4, 4, 8, 16384, sm_count=132) == 8  # 32 programs: 8 segments bring 256 >= 132
     assert kernels.num_segments(3, 2, 8, 16384, sm_count=132) == 1  # a prefill row: no split
     assert kernels.num_segments(64, 64, 8, 16384, sm_count=132) == 1  # 512 programs fill the GPU
-    assert kernels.num_segments(2, 2, 8, 600, sm_count=132) == 2  # at most one segment per MIN_SEGMENT_KEYS keys
-    assert kernels.num_segments(2, 2, 8, 300, sm_count=132) == 1
+    keys = kernels.MIN_SEGMENT_KEYS
+    assert kernels.num_segments(2, 2, 8, 2 * keys + 10, sm_count=132) == 2  # at most one segment per MIN_SEGMENT_KEYS
+    assert kernels.num_segments(2, 2, 8, keys + 10, sm_count=132) == 1
     assert kernels.num_segments(2, 2, 8, 16384, sm_count=0) == 1  # the CPU (interpreter) never splits
     for seqs in range(1, 40):
         n = kernels.num_segments(seqs, seqs, 2, 1 << 20, sm_count=108)
@@ -3945,6 +3946,30 @@ def test_rotary_triton_matches_the_reference(tokens, kv_heads, group, half, qk_n
     check(gk.reshape(tokens, kv_heads, head_dim).cpu(), want_k)
 
 
+@PROPERTY
+@given(
+    rows=st.integers(1, 5),
+    n=st.integers(1, 300),
+    k=st.integers(1, 3000),
+    bias=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+)
+def test_linear_rows_triton_matches_f_linear(rows, n, k, bias, dtype, seed):
+    """The few-row matmul (RowsLinear's) against the exact product rounded once to dtype, as cuBLAS rounds: within
+    two roundings of the result plus fp32 sums' error (a few ulps of fp32 times the sum of |x| |w|)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = kernels.linear_rows_triton(x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)).cpu()
+    assert got.dtype == dtype and got.shape == (rows, n)
+    sums = x.double().abs() @ w.double().abs().T  # (rows, n): what fp32 sums' rounding scales with
+    limit = ULPS[dtype] * want.abs() + 1e-6 * sums + (0 if dtype == torch.float32 else ULPS[dtype] * 1e-3)
+    assert ((got.double() - want).abs() <= limit).all(), (got.double() - want).abs().max()
+
+
+@needs_interpreter
 def test_a_decode_step_launches_at_most_ten_kernels_a_layer():
     """`bench.py --launches`: the GPU code path's decode step, counted on a CPU (Triton interpreted): a Qwen3 layer
     (q/k norm) is add+norm, qkv, q/k norm + rotary, store_kv, attention, o, add+norm, gate_up, silu*up, down."""
@@ -4903,8 +4928,17 @@ def test_graph_replay_logic_on_a_cpu(tiny_models, monkeypatch):
         graph.replay = lambda b=b, model_call=model_call, logits=logits: (
             replayed.append(b) or torch.inference_mode()(logits.copy_)(model_call())
         )
+    packed, pack_graph_step = [], nanobatch.pack_graph_step
+    monkeypatch.setattr(
+        nanobatch, "pack_graph_step", lambda llm, batch: packed.append(1) or pack_graph_step(llm, batch)
+    )
     check_graphs_equal_eager(llm)
     assert {1, 2, 4, 8, 12} <= set(replayed), "decode steps of every bucket replayed"
+    assert len(packed) == len(replayed), "every replayed step was packed straight into the graphs' inputs"
+    replayed.clear(), packed.clear()
+    llm.fast_paths = False  # Part I's plain packing: replay_graph copies its tensors into the graphs' inputs
+    check_graphs_equal_eager(llm)
+    assert {1, 2, 4, 8, 12} <= set(replayed) and not packed
 
 
 @needs_interpreter
