@@ -679,7 +679,7 @@ class ForwardTimer:
 def timed_run_model(run_model):
     def timed(llm, input_ids, positions, *rest):  # rest: (meta) for replay_graph, (kv caches, meta) for the model
         timer, meta = getattr(llm, "forward_timer", None), rest[-1]
-        if timer is None:
+        if timer is None or not TIMERS_ON[0]:
             return run_model(llm, input_ids, positions, *rest)
         timer.is_decode[0] = len(input_ids) == len(meta.seq_lens)
         start = time.perf_counter()
@@ -694,6 +694,7 @@ def timed_run_model(run_model):
 
 ATTENTION_SECONDS = [0.0]  # seconds inside kernels.paged_attention and kernels.plan_paged_attention, once wrapped
 TIMING = [0]  # whether an outermost-timed call (wrap_timed) is running
+TIMERS_ON = [True]  # False: every timer passes its calls through, untimed and unsynchronised (a plain step)
 SAMPLE_TIMERS = []  # [the ForwardTimer that nanobatch.sample_fast's seconds go to], once wrapped
 
 
@@ -716,7 +717,7 @@ def wrap_timed(module, name, add_seconds, sync=False, outermost=False):
         return
 
     def timed(*args, **kwargs):
-        if outermost and TIMING[0]:
+        if (outermost and TIMING[0]) or not TIMERS_ON[0]:
             return fn(*args, **kwargs)
         TIMING[0] += outermost
         if sync:
@@ -1632,8 +1633,10 @@ def max_prefill_steps(batch_size, context_len, max_num_batched_tokens):
 
 def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cumulative"):
     """Time engine steps in which every sequence decodes: queue batch_size requests of context_len tokens,
-    step until all have two output tokens (prefill over), then time num_steps steps. Returns the seconds
-    per step, the seconds of it in the model forward, and those in the sampler (nanobatch.sample_fast).
+    step until all have two output tokens (prefill over), then time num_steps steps as a user's loop runs them (no
+    timer inside: on a GPU a timer synchronises, and the host's work after the forward no longer overlaps it), then
+    num_steps more with the timers on. Returns the seconds per plain step, and per timed step the seconds in the
+    model forward and in the sampler (nanobatch.sample_fast).
     output_kind: "cumulative" (add_request's default, what a server streams: every step builds an output
     for every request) or "final_only" (what generate() asks for: no per-step outputs)."""
     begin_engine_run(llm)
@@ -1641,7 +1644,7 @@ def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cu
     vocab = llm.model_config.vocab_size
     # the first admitted requests decode while later ones prefill: room for that, so none ends while timed
     params = dataclasses.replace(
-        greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + num_steps + 4),
+        greedy(max_prefill_steps(batch_size, context_len, llm.config.max_num_batched_tokens) + 2 * num_steps + 4),
         output_kind=output_kind,
     )
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params) for _ in range(batch_size)]
@@ -1651,11 +1654,15 @@ def measure_decode_step(llm, batch_size, context_len, num_steps, output_kind="cu
     ):  # read from the engine: final_only gives no outputs yet
         llm.step()
     synchronize(llm.device)
-    llm.forward_timer.reset()
+    TIMERS_ON[0] = False
     start = time.perf_counter()
     for _ in range(num_steps):
         llm.step()  # samples and calls .tolist(): each step ends synchronised
     seconds = (time.perf_counter() - start) / num_steps
+    TIMERS_ON[0] = True
+    llm.forward_timer.reset()
+    for _ in range(num_steps):
+        llm.step()
     forward_seconds, sample_seconds = (
         llm.forward_timer.seconds / num_steps,
         llm.forward_timer.sample_seconds / num_steps,
