@@ -2358,9 +2358,7 @@ def pack_inputs(llm, batch):
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs)), num_new)  # (num_tokens,)
         # a token's position: its offset in the chunk + its sequence's computed tokens (start is now num_tokens)
         positions = torch.arange(start) - starts[seq_of_token] + (seq_lens - num_new)[seq_of_token]  # (num_tokens,)
-    rows = torch.tensor(
-        llm.block_tables.rows(batch.seqs)
-    )  # (num_seqs,), and writes only what changed since the last step
+    rows = torch.tensor(llm.block_tables.rows(batch.seqs))  # (num_seqs,); only what changed is written
     max_blocks = max(len(s.block_ids) for s in batch.seqs)
     block_tables = llm.block_tables.table[rows, :max_blocks]  # (num_seqs, max_blocks)
     slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs  # block id * block_size + offset
