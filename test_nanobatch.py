@@ -6601,7 +6601,8 @@ def bench_cli(capsys, *argv):
         ),
     ],
 )
-def test_bench_bad_arguments_are_one_clear_line(capsys, args, message):
+def test_bench_bad_arguments_are_one_clear_line(capsys, monkeypatch, args, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the messages quote the CPU's defaults
     rc, out, err = bench_cli(capsys, *args)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and out == "", err
@@ -6863,7 +6864,8 @@ def test_bench_served_runs_each_server_under_the_client_with_a_seed_a_run(tiny_m
     monkeypatch.setenv("FAKE_CLIENT_LOG", str(tmp_path / "seeds.txt"))
     argv = ["--workload", "served", "--systems", "nanobatch", "--vllm-python", str(fake), "--num-requests", "3"]
     argv += ["--max-prompt-len", "8", "--max-output-len", "4", "--max-concurrency", "2", "--max-num-seqs", "4"]
-    argv += ["--model", tiny_models["llama-gqa-untied"][0], "--dtype", "float32", "--json", str(tmp_path / "r.json")]
+    model = tiny_models["llama-gqa-untied"][0]
+    argv += ["--model", model, "--dtype", "float32", "--json", str(tmp_path / "r.json")]
     rc, out, err = bench_cli(capsys, *argv)
     assert not rc, err  # (None: cli's success)
     assert (tmp_path / "seeds.txt").read_text().split() == ["1", "2"]
@@ -6871,7 +6873,8 @@ def test_bench_served_runs_each_server_under_the_client_with_a_seed_a_run(tiny_m
     assert [r[1] for r in rows] == ["1", "2"] and all(r[-2:] == ["3", "0"] for r in rows), out
     saved = json.loads((tmp_path / "r.json").read_text())
     assert [r["seed"] for r in saved["served"]] == [1, 2] and saved["workload"]["max_concurrency"] == 2
-    assert "nanobatch.py --serve" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    assert not [p for p in ps if "nanobatch.py --serve" in p and model in p], ps  # this run's (under xdist, others run)
 
 
 def test_bench_served_rounds_show_each_run_with_its_round_and_ratio():
