@@ -3288,68 +3288,78 @@ def _q4_1_loops(x, nibbles, d, m):
     return out
 
 
-# ---- The CPU path: a small decode step's layer as one chain of compiled calls ----
+# ---- The CPU path: a decode step's layer as one chain of compiled calls ----
 # With the 4-bit weights, a one-row decode step's compiled code (the Q4_1 loops, attention, the C small ops) is about
 # two thirds of it; the rest is the Python between them: nine module calls a layer, each op's dispatch and checks,
-# tensor views, run cold after the matmuls have streamed their weights through the caches. decode_layer_cpu calls
-# the same compiled functions on the same inputs in the same order as the op-by-op path, so its results are the
-# same bits; the layer's modules are only read for their weights. It applies to fp32 layers whose four linears hold
-# Q4_1 blocks for the AVX2 loops, without biases or Qwen3's q/k norms (decode_layer_applies), in a decode step of up
-# to Q4_1_MAX_ROWS rows whose attention the compiled loops plan and whose small ops take their C functions; the
-# model's layers elsewhere run op by op.
+# tensor views, run cold after the matmuls have streamed their weights through the caches (at 48 rows, ~5% of a
+# step). decode_layer_cpu calls the same functions on the same inputs in the same order as the op-by-op path, so
+# its results are the same bits; the layer's modules are only read for their weights, and each linear's own forward
+# makes its product (Int4Linear's 4-bit loops where they take the step, else oneDNN's packed matmul or F.linear).
+# It applies to bf16 or fp32 layers without Qwen3's q/k norms or hooks on their linears (decode_layer_applies: tp.py
+# sums o and down in hooks), in a decode step whose attention the compiled loops plan and whose norms and rotary
+# embedding take their one-thread C functions (rows x hidden under LOOP_MIN_WORK); the other steps run op by op.
 
 
 def decode_layer_applies(layer):
     """Whether decode_layer_cpu can run this DecoderLayer (its weights; each step's inputs are checked per call)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    dtype = layer.input_layernorm.weight.dtype
     return (
-        all(type(lin) is Int4Linear and lin.q4_1 is not None and lin.bias is None for lin in linears)
+        all(type(lin) in (torch.nn.Linear, PackedLinear, Int4Linear) for lin in linears)
+        and not any(lin._forward_hooks or lin._forward_pre_hooks for lin in linears)
         and not hasattr(attn, "q_norm")
-        and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
+        and dtype in ELEMENTS
+        and all(
+            t.is_cpu and t.dtype == dtype
+            for t in (layer.post_attention_layernorm.weight, *(lin.weight for lin in linears))
+        )
     )
 
 
 def decode_layer_cpu(layer, x, residual, rope, kv_cache, meta):
-    """DecoderLayer.forward of a decode step (meta.decode_only) on fp32 rows, for a layer decode_layer_applies to:
-    -> (the MLP's output, residual + x + attention's output), residual updated in place as the norms do; or None
+    """DecoderLayer.forward of a decode step (meta.decode_only) on bf16 or fp32 rows, for a layer decode_layer_applies
+    to: -> (the MLP's output, residual + x + attention's output), residual updated in place as the norms do; or None
     where the step is not one it runs (the caller runs the layer op by op)."""
     plan, (k_cache, v_cache), slots = meta.attn_plan, kv_cache, meta.slot_mapping
     rows, hidden = x.shape
-    if not (meta.decode_only and rows <= Q4_1_MAX_ROWS and plan is not None and not plan.prefill):
-        return None
+    dtype = x.dtype
+    if not (meta.decode_only and plan is not None and not plan.prefill and rows * hidden < LOOP_MIN_WORK):
+        return None  # (a prefill, or rows whose norms take their threaded loops)
     if len(plan.decode) != 1 or not isinstance(plan.decode[0], DecodeRows) or len(plan.decode[0].rows) != rows:
         return None
-    if not (x.dtype == residual.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and rope.is_contiguous()):
+    if not (residual.dtype == k_cache.dtype == v_cache.dtype == layer.input_layernorm.weight.dtype == dtype):
         return None
-    if not all(t.is_contiguous() for t in (x, residual, k_cache, v_cache, slots)):  # (read through data pointers)
+    if not all(t.is_contiguous() for t in (x, residual, k_cache, v_cache, slots, rope)):  # (read through pointers)
         return None
     attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if rows * hidden >= LOOP_MIN_WORK or rows * (heads + kv_heads) * head_dim >= ROTARY_C_WORK:
-        return None  # (the norms and rotary take their threaded loops there, not the C functions)
-    norm, rotary = _rms_norm_c(torch.float32), _rotary_c(torch.float32)
-    q4_1, attention, g = _compile_q4_1(), _decode_loops(torch.float32), plan.decode[0]
-    if norm is None or rotary is None or q4_1 is None or attention is None:
+    if rows * (heads + kv_heads) * head_dim >= ROTARY_C_WORK:
+        return None  # (the rotary embedding takes its threaded loops there, not the C function)
+    norm, rotary, attention, g = _rms_norm_c(dtype), _rotary_c(dtype), _decode_loops(dtype), plan.decode[0]
+    if norm is None or rotary is None or attention is None:
         return None
+    q4_1 = _compile_q4_1() if dtype == torch.float32 and rows <= Q4_1_MAX_ROWS else None
 
-    def linear(a, lin):  # Int4Linear.forward's call: a (rows, in) fp32 numpy -> (rows, out) fp32 numpy
-        return q4_1(a.size * lin.out_features, a, *lin.q4_1)
+    def linear(a, lin):  # lin.forward(a); Int4Linear's 4-bit loops called here (its checks: ~5% of a 1-row step)
+        if q4_1 is None or getattr(lin, "q4_1", None) is None or lin.bias is not None:
+            return lin.forward(a)
+        return torch.from_numpy(q4_1(a.numel() * lin.out_features, a.numpy(), *lin.q4_1))
 
     h = torch.empty_like(x)
     norm(x.data_ptr(), residual.data_ptr(), n1.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n1.eps)
-    qkv = torch.from_numpy(linear(h.numpy(), attn.qkv_proj))  # (rows, q | k | v): heads side by side
-    q, width = torch.empty(rows, heads, head_dim), qkv.shape[1]
-    k_at, v_at = qkv.data_ptr() + 4 * heads * head_dim, qkv.data_ptr() + 4 * (heads + kv_heads) * head_dim
+    qkv = linear(h, attn.qkv_proj)  # (rows, q | k | v): heads side by side
+    q, width, size = torch.empty(rows, heads, head_dim, dtype=dtype), qkv.shape[1], qkv.element_size()
+    k_at, v_at = qkv.data_ptr() + size * heads * head_dim, qkv.data_ptr() + size * (heads + kv_heads) * head_dim
     pointers = (qkv.data_ptr(), k_at, v_at, rope.data_ptr(), slots.data_ptr(), q.data_ptr())
     sizes = (rows, width, width, width, heads, kv_heads, head_dim, rows, k_cache.shape[0] * k_cache.shape[1])
     rotary(*pointers, k_cache.data_ptr(), v_cache.data_ptr(), *sizes)  # q rotated; k rotated and v stored
     o = torch.empty_like(q)
     attend_decode_rows(attention, q, k_cache, v_cache, g, attn.scale, o)
-    o = torch.from_numpy(linear(o.view(rows, -1).numpy(), attn.o_proj))
+    o = linear(o.view(rows, -1), attn.o_proj)
     norm(o.data_ptr(), residual.data_ptr(), n2.weight.data_ptr(), h.data_ptr(), rows, rows, hidden, n2.eps)
-    act = silu_and_mul(torch.from_numpy(linear(h.numpy(), mlp.gate_up_proj)))  # (its C function, or its loops)
-    return torch.from_numpy(linear(act.numpy(), mlp.down_proj)), residual
+    act = silu_and_mul(linear(h, mlp.gate_up_proj))  # (its C function, or its loops)
+    return linear(act, mlp.down_proj), residual
 
 
 # A GGUF's Q8_0 matrix (the default model's embedding, tied: its lm_head) is blocks of 32 int8 weights q and an fp16

@@ -821,7 +821,7 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
         else AutoTokenizer.from_pretrained(tokenizer_path)
     )
     on_cpu = torch.device(device).type == "cpu" and dtype != torch.float16 and tp is None and kernels.USE_CPU_INT4
-    quantized = {} if gguf and on_cpu else None  # hook (CPU 4-bit weights): a GGUF's Q4_1/Q8_0 tensors as they are
+    quantized = {} if gguf and on_cpu else None  # hook (CPU layers): a GGUF's Q4_1/Q8_0 tensors as they are
     state = gguf_weights(*gguf, cfg, quantized) if gguf else _load_hf_weights(path, tp)  # name -> tensor, HF's names
     rope_freqs = state.pop(
         "rope_freqs.weight", None
@@ -856,8 +856,7 @@ def load_model(path, dtype, device, on_config=None, tp=None, tokenizer=None):
     if tp is not None:
         tp.parallelize(model, cfg)  # hook (tp.py): the all-reduces and the logits gather
     kernels.prepare_linears(model)  # a CPU: weights in oneDNN's layout, once; a GPU: small steps' matmuls by Triton
-    if quantized:  # hook (CPU 4-bit weights): small steps read the GGUF's 4-bit weights
-        attach_gguf_int4(model, quantized, cfg)
+    prepare_cpu_layers(model, quantized, cfg)  # hook (CPU layers): a GGUF's 4-bit weights, decode layers as one chain
     return model, tokenizer, cfg, hf_config
 
 
@@ -2394,15 +2393,14 @@ def freeze_gc_heap():
     atexit.register(gc.unfreeze)
 
 
-# ---- CPU 4-bit weights: a GGUF's Q4_1 (and Q8_0) tensors for small steps ----
+# ---- CPU layers: a GGUF's Q4_1 (and Q8_0) tensors for small steps; decode layers as one chain of calls ----
 
 
 def attach_gguf_int4(model, quantized, cfg):
-    """load_model's hook on a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
+    """On a CPU (bf16 or fp32): each linear layer whose checkpoint tensors were all Q4_1 gets a 4-bit
     copy of its weight (kernels.attach_int4: used by steps of up to Int4Linear.max_rows rows), q/k/v and
     gate/up stacked as the model's weights are (merge_projections); in fp32 a Q8_0 lm_head (or tied embedding)
-    gets the file's 8-bit copy (kernels.attach_q8_0, the same steps), and each layer whose linears all went 4-bit
-    runs its small decode steps as one chain of compiled calls (Int4DecoderLayer)."""
+    gets the file's 8-bit copy (kernels.attach_q8_0, the same steps). The first step of prepare_cpu_layers."""
     q4_1 = {name: parts for name, parts in quantized.items() if len(parts) == 3}  # (Q8_0's are (q, d))
     q, d, m = (merge_projections({name: parts[i] for name, parts in q4_1.items()}, cfg) for i in range(3))
     for name, linear in model.named_modules():
@@ -2411,14 +2409,22 @@ def attach_gguf_int4(model, quantized, cfg):
     head = quantized.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", ())
     if len(head) == 2:
         kernels.attach_q8_0(model.lm_head, *head)
+
+
+def prepare_cpu_layers(model, quantized, cfg):
+    """load_model's hook, after the weights are packed: on a CPU, a GGUF's 4-bit weights (quantized: its Q4_1 and
+    Q8_0 tensors, attach_gguf_int4), then each layer that kernels.decode_layer_cpu can run becomes a
+    ChainedDecoderLayer. Elsewhere (a GPU, tensor parallelism) nothing."""
+    if quantized:
+        attach_gguf_int4(model, quantized, cfg)
     for layer in model.model.layers:
         if kernels.decode_layer_applies(layer):
-            layer.__class__ = Int4DecoderLayer
+            layer.__class__ = ChainedDecoderLayer
 
 
-class Int4DecoderLayer(DecoderLayer):
-    """A DecoderLayer whose linears hold the file's Q4_1 blocks (fp32): a small decode step runs it as one chain of
-    compiled calls (kernels.decode_layer_cpu: the same calls and bits, without the Python between them)."""
+class ChainedDecoderLayer(DecoderLayer):
+    """A DecoderLayer on a CPU whose decode steps run as one chain of calls (kernels.decode_layer_cpu: the same
+    calls and bits as the op-by-op forward, without the Python between them)."""
 
     def forward(self, x, residual, rope, kv_cache, meta):
         out = kernels.decode_layer_cpu(self, x, residual, rope, kv_cache, meta)

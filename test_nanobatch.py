@@ -1182,21 +1182,9 @@ def test_the_avx2_q4_1_loops_are_the_dequantized_matmul_within_16_bit_rounding(r
     assert not kernels.attach_int4(other, q, d + 1e-7, m) and type(other) is kernels.PackedLinear
 
 
-def test_a_q4_1_layer_runs_its_small_decode_steps_as_one_chain_of_calls_with_the_same_bits(
-    tiny_models, default_tokenizer, tmp_path, monkeypatch
-):
-    """An fp32 GGUF model whose layers' linears all went 4-bit (AVX2 loops; no biases, no q/k norm) runs a decode
-    step of up to Q4_1_MAX_ROWS rows through kernels.decode_layer_cpu: the same compiled calls as the op-by-op path,
-    so the same tokens and the same logprobs, bit for bit, with 12, 3, 2 and 1 rows a step (its prefill op by op)."""
-    path = write_gguf(tmp_path / "tiny-q4_1.gguf", tiny_models["llama-gqa-untied"][1], q4_1=True, q8_0=True)
-    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
-    llm = LLM(model=path, num_kv_blocks=64, enable_prefix_caching=False, **CPU)  # (each run's prefill the same)
-    if not all(type(layer) is nanobatch.Int4DecoderLayer for layer in llm.model.model.layers):
-        pytest.skip("numba is not installed, this CPU has no AVX2, or no oneDNN fp32 packing (no Q4_1 loops)")
-    rng = random.Random(0)
-    lengths, max_tokens = (5, 19, 33, *range(3, 12)), (4, 8, 12, *[2] * 9)  # 12 rows, then 3, 2 and 1
-    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in lengths]
-    params = [SamplingParams(max_tokens=n, logprobs=3, **GREEDY) for n in max_tokens]
+def assert_chained_steps_match_op_by_op(llm, prompts, params, monkeypatch):
+    """Generate with kernels.decode_layer_cpu (spied), then with every step op by op: the same tokens and logprobs,
+    bit for bit. -> the (rows, chained) pairs of the first run's layer calls."""
     runs, decode_layer_cpu = set(), kernels.decode_layer_cpu
 
     def chain(layer, x, *args):
@@ -1206,14 +1194,58 @@ def test_a_q4_1_layer_runs_its_small_decode_steps_as_one_chain_of_calls_with_the
 
     monkeypatch.setattr(kernels, "decode_layer_cpu", chain)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert sorted(runs) == [(1, True), (2, True), (3, True), (12, True), (sum(lengths), False)]  # (the prefill)
     monkeypatch.setattr(kernels, "decode_layer_cpu", lambda *args: None)  # every step op by op
     want = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(kernels, "decode_layer_cpu", decode_layer_cpu)
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == [
             {t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs
         ]
+    return runs
+
+
+def test_a_q4_1_layer_runs_its_decode_steps_as_one_chain_of_calls_with_the_same_bits(
+    tiny_models, default_tokenizer, tmp_path, monkeypatch
+):
+    """An fp32 GGUF model whose layers' linears went 4-bit (AVX2 loops) runs its decode steps through
+    kernels.decode_layer_cpu: the same calls as the op-by-op path (the 4-bit loops up to Q4_1_MAX_ROWS rows, the
+    packed matmul beyond), so the same tokens and logprobs, bit for bit, with 20, 12, 3, 2 and 1 rows a step."""
+    path = write_gguf(tmp_path / "tiny-q4_1.gguf", tiny_models["llama-gqa-untied"][1], q4_1=True, q8_0=True)
+    monkeypatch.setattr(nanobatch, "gguf_tokenizer", lambda path: default_tokenizer)
+    llm = LLM(model=path, num_kv_blocks=128, enable_prefix_caching=False, **CPU)  # (each run's prefill the same)
+    down = llm.model.model.layers[0].mlp.down_proj
+    if type(down) is not kernels.Int4Linear or down.q4_1 is None:
+        pytest.skip("numba is not installed, this CPU has no AVX2, or no oneDNN fp32 packing (no Q4_1 loops)")
+    assert all(type(layer) is nanobatch.ChainedDecoderLayer for layer in llm.model.model.layers)
+    rng = random.Random(0)
+    lengths, max_tokens = (5, 19, 33, *range(3, 12), *[4] * 8), (4, 8, 12, *[3] * 9, *[2] * 8)  # 20, 12, 3, 2, 1 rows
+    prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=n, logprobs=3, **GREEDY) for n in max_tokens]
+    runs = assert_chained_steps_match_op_by_op(llm, prompts, params, monkeypatch)
+    assert sorted(runs) == [(1, True), (2, True), (3, True), (12, True), (20, True), (sum(lengths), False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_hf_models_decode_steps_run_as_one_chain_of_calls_with_the_same_bits(tiny_models, monkeypatch, dtype):
+    """A HF checkpoint on a CPU (linears packed for oneDNN, or F.linear where bf16 cannot be packed; Qwen2's q/k/v
+    biases) runs its decode steps through kernels.decode_layer_cpu, with the same bits as op by op; Qwen3's
+    q/k norms keep its layers op by op."""
+    for family in ("llama-gqa-untied", "qwen2-bias"):
+        llm = LLM(
+            model=tiny_models[family][0], num_kv_blocks=64, enable_prefix_caching=False, device="cpu", dtype=dtype
+        )
+        if kernels._decode_loops(getattr(torch, dtype)) is None:
+            pytest.skip("numba is not installed (no compiled decode loops)")
+        assert all(type(layer) is nanobatch.ChainedDecoderLayer for layer in llm.model.model.layers), family
+        rng = random.Random(1)
+        lengths = (7, 16, 3, 25, 9)
+        prompts = [[rng.randrange(llm.model_config.vocab_size) for _ in range(n)] for n in lengths]
+        params = [SamplingParams(max_tokens=n, logprobs=2, **GREEDY) for n in (6, 3, 5, 2, 4)]
+        runs = assert_chained_steps_match_op_by_op(llm, prompts, params, monkeypatch)
+        assert {n for n, chained in runs if chained} == {5, 4, 3, 2, 1}, (family, runs)
+    llm = LLM(model=tiny_models["qwen3-qk-norm"][0], num_kv_blocks=64, device="cpu", dtype=dtype)
+    assert not any(type(layer) is nanobatch.ChainedDecoderLayer for layer in llm.model.model.layers)
 
 
 def spy(fn, calls):
