@@ -1271,15 +1271,22 @@ def run_script(name, python, script, job, warmup, workload, results, runs, env=N
             file=sys.stderr,
             flush=True,
         )
-        with MachineLoad() as load:  # (the warm-up inside: its share is its own, its children's CPU time)
-            done = subprocess.run(
-                [python, paths[2], paths[0], paths[1]], env=env, stderr=subprocess.PIPE if quiet else None, text=True
+        # (the warm-up inside the load's span: its share is its own, its processes' CPU time)
+        with MachineLoad() as load, tempfile.TemporaryFile("w+") as messages:  # (quiet: shown only if it fails)
+            child = subprocess.Popen(
+                [python, paths[2], paths[0], paths[1]], env=env, stderr=messages if quiet else None
             )
-        if done.returncode != 0:
-            print(done.stderr[-3000:] if quiet else "", file=sys.stderr)
-            results.append(
-                SystemResult(name, skipped=f"{python} exited with status {done.returncode} (its messages are above)")
-            )
+            try:
+                status = load.wait(child)
+            finally:
+                if child.poll() is None:  # (an interrupt: the run ends with bench)
+                    child.kill()
+                    child.wait()
+            messages.seek(0)
+            stderr = messages.read()
+        if status != 0:
+            print(stderr[-3000:] if quiet else "", file=sys.stderr)
+            results.append(SystemResult(name, skipped=f"{python} exited with status {status} (its messages are above)"))
             return
         with open(paths[1]) as f:
             out = json.load(f)
@@ -2220,8 +2227,10 @@ class MachineLoad:
 
     def __init__(self, server_pid=None):
         self.server_pid = server_pid  # a server this process started: its processes' CPU time is ours too
+        self.child_seconds = {}  # pid -> CPU seconds last read, of a child's processes (wait)
 
     def __enter__(self):
+        self.children_before = self.waited_children_cpu()
         self.load_before, self.wall, self.busy, self.own = (
             os.getloadavg()[0],
             time.perf_counter(),
@@ -2235,19 +2244,35 @@ class MachineLoad:
         wall, busy = time.perf_counter() - self.wall, self.machine_busy()
         self.others_cores = None if busy is None else max(0.0, (busy - self.busy) - (self.own_cpu() - self.own)) / wall
 
+    def wait(self, child, every=1.0):
+        """Wait for a child process (subprocess.Popen), reading its processes' CPU time as they run: one it ends
+        without waiting for (vLLM's engine core) is not in the CPU time of waited children, and would count as
+        another process's. -> its exit status."""
+        while child.poll() is None:
+            self.child_seconds.update(process_cpu_seconds(child.pid))
+            time.sleep(every)
+        return child.returncode
+
     @staticmethod
     def machine_busy():
         return nanobatch.cpu_busy_seconds()  # None where /proc/stat cannot be read: the load averages only
 
-    def own_cpu(self):
+    @staticmethod
+    def waited_children_cpu():
         import resource
 
+        return sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # waited children, and whom they waited for
+
+    def own_cpu(self):
+        """This process's CPU seconds and, since __enter__, its children's (and a server's, running)."""
         server = 0.0 if self.server_pid is None else tree_cpu_seconds(self.server_pid)  # (not a waited child yet)
-        return time.process_time() + sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]) + server
+        children = max(self.waited_children_cpu() - self.children_before, sum(self.child_seconds.values()))
+        return time.process_time() + children + server
 
 
-def tree_cpu_seconds(pid):
-    """The CPU seconds a running process and its descendants have taken (/proc; 0 for any that cannot be read)."""
+def process_cpu_seconds(pid):
+    """pid -> (its own CPU seconds, with those of the children it waited for) of a running process and its
+    descendants (/proc; none that cannot be read)."""
     parents, seconds = {}, {}
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit():
@@ -2263,7 +2288,12 @@ def tree_cpu_seconds(pid):
     while grown:
         more = {p for p, parent in parents.items() if parent in tree} - tree
         tree, grown = tree | more, bool(more)
-    return sum(seconds.get(p, 0.0) for p in tree)
+    return {p: seconds[p] for p in tree if p in seconds}
+
+
+def tree_cpu_seconds(pid):
+    """The CPU seconds a running process and its descendants have taken (/proc; 0 for any that cannot be read)."""
+    return sum(process_cpu_seconds(pid).values())
 
 
 def format_load(results):

@@ -6860,6 +6860,18 @@ def test_bench_sees_the_cpu_other_processes_take():
     assert "BUSY during nanobatch" in line
 
 
+def test_bench_counts_the_processes_a_system_ends_without_waiting_for():
+    """A system's script whose own child it ends without a wait (vLLM's engine core) took CPU time for the run, not
+    another process: bench reads its processes' CPU time as they run (a zombie's too), so the row is not BUSY."""
+    import bench
+
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    script = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\ntime.sleep(1.8)"
+    with bench.MachineLoad() as load:
+        assert load.wait(subprocess.Popen([sys.executable, "-c", script]), every=0.1) == 0
+    assert load.others_cores < bench.MachineLoad.BUSY_CORES, load.others_cores
+
+
 FAKE_VLLM_CLIENT = """
 import json, os, statistics, sys, time, urllib.request
 
